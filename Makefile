@@ -1,0 +1,38 @@
+# The commands of this distribution (see README.md and docs/).
+PYTHON ?= python3
+VENV_PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint demo wheel image bench clean
+
+## setup: build this machine's distribution wheel and install it into .venv (idempotent)
+setup:
+	$(PYTHON) scripts/setup_env.py $(if $(FORCE),--force,)
+
+## test: setup, then lint and the whole CPU test suite (GPU tests skip without CUDA)
+test: setup
+	$(VENV_PY) -m ruff check .
+	$(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV_PY) -m ruff check .
+
+## wheel: the full distribution wheel in dist/ (FLAVOUR=cpu|cuda, default: this machine's)
+wheel:
+	$(if $(wildcard $(VENV_PY)),$(VENV_PY),$(PYTHON)) scripts/build_wheel.py $(if $(FLAVOUR),--flavour $(FLAVOUR),)
+
+## image: the container image from the CUDA wheel (needs a Docker engine)
+image:
+	$(MAKE) wheel FLAVOUR=cuda
+	docker build -t vllm-hisparse:$$($(PYTHON) scripts/upstream.py image-tag) .
+
+demo: setup
+	@echo "make demo arrives with the HiSparse residency work (see README.md); nothing to run yet." >&2
+	@exit 2
+
+bench: setup
+	@echo "make bench arrives with the benchmark work (see README.md); nothing to run yet." >&2
+	@exit 2
+
+clean:
+	rm -rf dist build .pytest_cache

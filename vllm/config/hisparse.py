@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hybrid HiSparse configuration: `AttentionConfig.hisparse_config`.
+
+Owns the operator-facing surface of Hybrid HiSparse: the typed config parsed
+from `--attention-config '{"hisparse_config": {...}}'` (and from
+`LLM(attention_config=...)`), its validation, its contribution to the config
+hash, and the start-up checks that need the model (`verify_hisparse_config`).
+It must never allocate memory or touch the scheduler or workers: those read the
+validated config.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import field_validator, model_validator
+
+from vllm.config.utils import config, get_hash_factors, hash_factors
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+HiSparseMode = Literal["hybrid", "always"]
+
+GiB = 1 << 30
+# Page geometry of the sparse-MLA KV cache: the CUDA sparse-MLA backends of
+# vLLM 0.29.0 use 64-token blocks, and a HiSparse page is one such block.
+SPARSE_MLA_PAGE_TOKENS = 64
+# Bytes per token of one layer in the fp8 sparse-MLA cache layout: 512 fp8
+# latent values, 4 float32 scales and 64 bf16 rope values.
+FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
+# The default hot buffer holds this many times the model's index top-K rows.
+DEFAULT_HOT_BUFFER_TOPK_MULTIPLE = 2
+
+
+@config
+class HiSparseConfig:
+    """Hybrid HiSparse residency for the sparse-MLA KV cache of DSA models.
+
+    While the GPU KV pool has room everything stays resident; under pressure
+    older pages move to a host pool and each request keeps its tail plus a
+    small GPU hot buffer that is filled row by row as the indexer picks tokens.
+    """
+
+    host_pool_gib: float
+    """Host memory for the HiSparse page pool, in GiB per node (required, > 0)."""
+
+    device_buffer_size: int | None = None
+    """Hot-buffer rows per request on the GPU. Default: 2 x the model's index
+    top-K. Must be at least the model's index top-K."""
+
+    mode: HiSparseMode = "hybrid"
+    """"hybrid": offload only under KV-cache pressure. "always": keep only each
+    request's tail resident regardless of pressure (the original HiSparse
+    behaviour, kept for ablations)."""
+
+    proactive_copy: bool = True
+    """Copy completed prefix pages of fully resident requests to the host pool
+    ahead of pressure, so pressure can free them without waiting for a copy."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.__dataclass_fields__)
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown key {unknown[0]!r} in hisparse_config; valid keys are "
+                    f"{', '.join(sorted(known))}"
+                )
+        return data
+
+    @field_validator("host_pool_gib")
+    @classmethod
+    def validate_host_pool_gib(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(
+                f"hisparse_config.host_pool_gib must be > 0 (got {value}); set it to the "
+                "host memory in GiB HiSparse may use, e.g. 384"
+            )
+        return value
+
+    @field_validator("device_buffer_size")
+    @classmethod
+    def validate_device_buffer_size(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(
+                f"hisparse_config.device_buffer_size must be >= 1 row (got {value}); leave "
+                "it unset for the default of 2 x the model's index top-K"
+            )
+        return value
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gib * GiB)
+
+    def compute_hash(self) -> str:
+        """Hash of the fields that change the compiled graph or the KV layout.
+
+        Whether HiSparse is on, its mode and the hot-buffer size shape the
+        attention path and the KV cache layout; the host pool size and the
+        proactive-copy switch are runtime policy only.
+        """
+        factors = get_hash_factors(self, {"host_pool_gib", "proactive_copy"})
+        return hash_factors(factors)
+
+    def uuid(self) -> str:
+        # vLLM's normalize_value() prefers uuid() over hashing every field,
+        # so AttentionConfig.compute_hash folds in only compute_hash()'s factors.
+        return self.compute_hash()
+
+
+def sparse_mla_index_topk(vllm_config: VllmConfig) -> int | None:
+    """The model's index top-K if it is a sparse-MLA (DSA) model, else None."""
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.use_mla:
+        return None
+    topk = getattr(model_config.hf_text_config, "index_topk", None)
+    return int(topk) if topk else None
+
+
+def sparse_mla_page_bytes(vllm_config: VllmConfig) -> int:
+    """Bytes of one page (64 tokens) of every sparse-MLA layer together."""
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    if vllm_config.cache_config.cache_dtype.startswith("fp8"):
+        per_token = FP8_SPARSE_MLA_BYTES_PER_TOKEN
+    else:
+        per_token = (hf.kv_lora_rank + hf.qk_rope_head_dim) * model_config.dtype.itemsize
+    return per_token * SPARSE_MLA_PAGE_TOKENS * model_config.get_total_num_hidden_layers()
+
+
+def verify_hisparse_config(vllm_config: VllmConfig) -> None:
+    """Start-up checks that need the model; resolves the hot-buffer default."""
+    hisparse = vllm_config.attention_config.hisparse_config
+    if hisparse is None or vllm_config.model_config is None:
+        return
+    model = vllm_config.model_config.model
+    topk = sparse_mla_index_topk(vllm_config)
+    if topk is None:
+        raise ValueError(
+            f"hisparse_config is set but {model} is not a sparse-MLA (DSA) model: Hybrid "
+            "HiSparse needs an index top-K (GLM-5.x, DeepSeek-V3.2). Remove hisparse_config "
+            "from --attention-config for this model"
+        )
+    if hisparse.device_buffer_size is None:
+        hisparse.device_buffer_size = DEFAULT_HOT_BUFFER_TOPK_MULTIPLE * topk
+    elif hisparse.device_buffer_size < topk:
+        raise ValueError(
+            f"hisparse_config.device_buffer_size is {hisparse.device_buffer_size} rows but "
+            f"{model} selects index_topk={topk} rows per step; set device_buffer_size >= "
+            f"{topk} or leave it unset for the default {DEFAULT_HOT_BUFFER_TOPK_MULTIPLE * topk}"
+        )
+    page_bytes = sparse_mla_page_bytes(vllm_config)
+    if hisparse.host_pool_bytes < page_bytes:
+        raise ValueError(
+            f"hisparse_config.host_pool_gib={hisparse.host_pool_gib} holds no page of {model}: "
+            f"one page of all sparse-MLA layers is {page_bytes} bytes "
+            f"({page_bytes / GiB:.4f} GiB); raise host_pool_gib"
+        )
+    logger.warning(
+        "Hybrid HiSparse: hisparse_config is valid (mode=%s, host_pool_gib=%s, "
+        "device_buffer_size=%d) but this build does not implement HiSparse residency "
+        "yet: no host pool is allocated and the sparse-MLA KV cache stays fully "
+        "resident on the device.",
+        hisparse.mode,
+        hisparse.host_pool_gib,
+        hisparse.device_buffer_size,
+    )
