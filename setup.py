@@ -1,0 +1,44 @@
+"""Build the csrc/ CUDA extension, `vllm._hisparse_C`.
+
+This is not how the distribution is packaged: `scripts/build_wheel.py` builds the
+wheel from the pinned upstream wheel and calls `setup.py build_ext` only to
+compile csrc/ when CUDA torch and nvcc are present. Kernels register their ops
+with TORCH_LIBRARY (no pybind11), so the module is built against the limited
+Python API and loads on every CPython the upstream abi3 wheel supports.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Hopper (H200/H100) is the target; sm_90a enables its architecture-specific features.
+CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def extensions():
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources = sorted(str(p) for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp"))
+    if not sources:
+        raise SystemExit("csrc/ holds no kernel sources: there is no extension to build")
+    return [
+        CUDAExtension(
+            name="vllm._hisparse_C",
+            sources=sources,
+            py_limited_api=True,
+            extra_compile_args={"cxx": ["-O3", "-DPy_LIMITED_API=0x03080000"],
+                                "nvcc": ["-O3", *CUDA_ARCH_FLAGS]},
+        )
+    ]
+
+
+if __name__ == "__main__":
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        name="vllm-hisparse-kernels",
+        ext_modules=extensions(),
+        cmdclass={"build_ext": BuildExtension},
+        options={"bdist_wheel": {"py_limited_api": "cp38"}},
+    )
