@@ -433,6 +433,8 @@ def refresh(
             if not file.is_file() or "__pycache__" in file.parts or file.name.endswith(".hisparse-tmp"):
                 continue
             path = file.relative_to(root).as_posix()
+            if any(part.startswith(".") for part in path.split("/")[:-1]):
+                continue  # tool caches such as .ruff_cache are not sources
             if path in BUILD_STAMPED or BUILD_OUTPUT_RE.match(path):
                 continue
             if path in series.overlay:

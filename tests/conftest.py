@@ -11,8 +11,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
+SUPPORT = REPO / "tests" / "support"
+for path in (SCRIPTS, SUPPORT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 def cuda_available() -> bool:

@@ -60,9 +60,9 @@ def _indexer_block_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
 
 def _indexer_fields(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [num_blocks, block_size, head_dim] fp8, scales [num_blocks, block_size] fp32) views."""
+    flat = _indexer_block_bytes(kv_cache)
     num_blocks, block_size, row_bytes = kv_cache.shape
     head_dim = row_bytes - 4
-    flat = _indexer_block_bytes(kv_cache)
     values = flat[:, : block_size * head_dim].view(FP8_DTYPE).view(num_blocks, block_size, head_dim)
     scales = flat[:, block_size * head_dim :].view(torch.float32)
     return values, scales
