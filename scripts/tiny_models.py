@@ -53,10 +53,12 @@ __all__ = [
     "build_config",
     "build_tiny_model",
     "build_tokenizer",
+    "load_transformers_model",
     "main",
     "special_token_ids",
     "synthetic_corpus",
     "tiny_model_dir",
+    "transformers_model_class",
     "vllm_kernel_issues",
 ]
 
@@ -402,14 +404,30 @@ def _init_weights(model: PreTrainedModel, seed: int, std: float) -> None:
                 tensor.copy_(values)
 
 
+def transformers_model_class(architecture: str) -> type[PreTrainedModel]:
+    """The transformers class named by a checkpoint's `architectures` entry.
+
+    Not AutoModelForCausalLM: once vLLM has read a DeepSeek-V3.2 config in a
+    process it registers its own DeepseekV3Config for model_type "deepseek_v32"
+    with transformers' AutoConfig, after which the auto classes build a
+    DeepseekV3ForCausalLM (no indexer) for these checkpoints.
+    """
+    import transformers
+
+    return getattr(transformers, architecture)
+
+
+def load_transformers_model(path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedModel:
+    """Load a checkpoint with the transformers class its config.json names."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return transformers_model_class(config["architectures"][0]).from_pretrained(path, **kwargs)
+
+
 def _build_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedModel:
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if type(model).__name__ != spec.info.architecture:  # pragma: no cover - transformers mapping changed
-        raise RuntimeError(f"transformers built {type(model).__name__}, expected {spec.info.architecture}")
+    model = transformers_model_class(spec.info.architecture)._from_config(config, dtype=torch.float32)
     _init_weights(model, spec.seed, spec.init_std)
     model.to(getattr(torch, spec.dtype))
     # Like the released checkpoints, keep the routing correction bias in fp32: in bf16 the

@@ -49,14 +49,15 @@ def prompt_ids(tokenizer) -> list[int]:
     [("glm5", "float32"), ("deepseek_v32", "float32"), ("glm5", "bfloat16"), ("deepseek_v32", "bfloat16")],
 )
 def test_prompt_logprobs_agree_with_transformers(arch, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec = tiny_models.TinyModelSpec(arch=arch, init_std=0.2, index_topk=128)
     path = model_dir(spec)
     ids = prompt_ids(AutoTokenizer.from_pretrained(path))
     assert spec.index_topk >= PROMPT_LEN, "the indexer must select every token"
 
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    reference = tiny_models.load_transformers_model(path, dtype=getattr(torch, dtype))
+    assert type(reference).__name__ == spec.info.architecture
     with torch.no_grad():
         logits = reference(torch.tensor([ids])).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)

@@ -209,10 +209,10 @@ def test_cache_builds_once_atomically(tmp_path, monkeypatch):
 
 def test_transformers_loads_and_runs_a_chat_prompt(built):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec, path = built
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = tm.load_transformers_model(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert type(model).__name__ == tm.ARCHS[spec.arch].architecture
     assert model.dtype == torch.bfloat16
@@ -230,7 +230,6 @@ def test_transformers_loads_and_runs_a_chat_prompt(built):
 def test_other_sizes_build_for_transformers(tmp_path):
     """The brief's smaller head sizes work in transformers; vllm_kernel_issues flags them for vLLM."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     spec = tm.TinyModelSpec(
         arch="glm5",
@@ -242,7 +241,7 @@ def test_other_sizes_build_for_transformers(tmp_path):
         index_topk=8,
         vocab_size=400,
     )
-    model = AutoModelForCausalLM.from_pretrained(tm.build_tiny_model(spec, tmp_path / "m"))
+    model = tm.load_transformers_model(tm.build_tiny_model(spec, tmp_path / "m"))
     assert model.config.mlp_layer_types == ["dense", "sparse", "sparse"]
     with torch.no_grad():
         logits = model(input_ids=torch.arange(3, 40)[None]).logits  # longer than index_topk
