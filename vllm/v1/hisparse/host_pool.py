@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler-side accounting of the Hybrid HiSparse host page pool.
+
+Owns which host pages are free, which hold a page of a running request
+(reference counted: requests sharing a prefix share its host pages), and which
+host pages still hold a copy identified by its block hash after every request
+let go of it, so a later request with the same prefix can start from the host
+copy instead of recomputing it. Evicts those cached copies least recently used
+first when a fresh page is needed.
+
+It never touches memory: the worker owns the pinned buffer; this module only
+decides indices into it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class HostPoolExhausted(Exception):
+    """No free or evictable host page is left."""
+
+
+class HostPagePool:
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"host pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._never_used = list(range(num_pages - 1, -1, -1))
+        self._refs: dict[int, int] = {}
+        # Cached copies nobody references, oldest first: evicted before failing.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[Hashable, int] = {}
+        self._hash_of: dict[int, Hashable] = {}
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def num_referenced(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation could take now (free, or cached and evictable)."""
+        return len(self._never_used) + len(self._evictable)
+
+    def refs(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def lookup(self, block_hash: Hashable) -> int | None:
+        """The host page holding a durable copy of this block, if any."""
+        return self._by_hash.get(block_hash)
+
+    # -- changes -------------------------------------------------------------
+
+    def allocate(self) -> int:
+        if self._never_used:
+            page = self._never_used.pop()
+        elif self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(page)]
+        else:
+            raise HostPoolExhausted(f"all {self.num_pages} host pages are referenced")
+        self._refs[page] = 1
+        return page
+
+    def retain(self, page: int) -> None:
+        """Take another reference, reviving a cached copy if nobody held it."""
+        if page in self._refs:
+            self._refs[page] += 1
+            return
+        if page not in self._evictable:
+            raise KeyError(f"host page {page} is neither referenced nor cached")
+        del self._evictable[page]
+        self._refs[page] = 1
+
+    def release(self, page: int) -> None:
+        refs = self._refs.get(page, 0)
+        if refs <= 0:
+            raise KeyError(f"host page {page} released more often than retained")
+        if refs > 1:
+            self._refs[page] = refs - 1
+            return
+        del self._refs[page]
+        if page in self._hash_of:
+            self._evictable[page] = None
+        else:
+            self._never_used.append(page)
+
+    def publish(self, page: int, block_hash: Hashable) -> None:
+        """Index a referenced page, whose copy is now durable, by its block hash."""
+        if page not in self._refs:
+            raise KeyError(f"host page {page} is not referenced")
+        if block_hash in self._by_hash or page in self._hash_of:
+            return  # an identical copy is already indexed; keep the first
+        self._by_hash[block_hash] = page
+        self._hash_of[page] = block_hash
+
+    def check(self) -> None:
+        """Assert the pool's invariants (used by tests and debug builds)."""
+        free = set(self._never_used)
+        cached = set(self._evictable)
+        referenced = set(self._refs)
+        assert not (free & cached) and not (free & referenced) and not (cached & referenced)
+        assert len(free) + len(cached) + len(referenced) == self.num_pages
+        assert all(n > 0 for n in self._refs.values())
+        assert set(self._hash_of) == set(self._by_hash.values())
+        assert cached <= set(self._hash_of) and not (free & set(self._hash_of))
