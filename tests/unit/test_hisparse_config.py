@@ -116,6 +116,7 @@ def test_startup_resolves_default_buffer_and_says_residency_is_not_available(tin
     finally:
         logger.removeHandler(records)
     assert config.attention_config.hisparse_config.device_buffer_size == 2 * 32
+    assert config.cache_config.kv_cache_layout == "BLHNC", "groups of different page sizes overlay blocks"
     assert any("does not implement HiSparse residency yet" in m for m in records.messages), records.messages
 
 
@@ -132,6 +133,14 @@ def test_startup_rejects_a_buffer_smaller_than_index_topk(tiny_glm_dsa_dir):
 def test_startup_rejects_a_host_pool_without_room_for_one_page(tiny_glm_dsa_dir):
     with pytest.raises(ValueError, match="host_pool_gib=1e-09 holds no page"):
         engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1e-9})
+
+
+def test_startup_rejects_hisparse_without_the_hybrid_kv_cache_manager(tiny_glm_dsa_dir):
+    with pytest.raises(ValueError, match="remove --disable-hybrid-kv-cache-manager"):
+        EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, disable_hybrid_kv_cache_manager=True,
+            attention_config={"hisparse_config": {"host_pool_gib": 1}},
+        ).create_engine_config()
 
 
 def test_verify_is_a_no_op_when_hisparse_is_off(tiny_glm_dsa_dir):

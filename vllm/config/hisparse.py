@@ -162,11 +162,21 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             f"one page of all sparse-MLA layers is {page_bytes} bytes "
             f"({page_bytes / GiB:.4f} GiB); raise host_pool_gib"
         )
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        raise ValueError(
+            "hisparse_config needs the hybrid KV cache manager (separate KV cache groups for "
+            "the sparse-MLA and indexer caches); remove --disable-hybrid-kv-cache-manager"
+        )
+    # Groups with different page sizes overlay each block's bytes only in a
+    # block-outermost layout (see vllm/v1/hisparse/kv_grouping.py).
+    from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
+
+    vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
     logger.warning(
         "Hybrid HiSparse: hisparse_config is valid (mode=%s, host_pool_gib=%s, "
-        "device_buffer_size=%d) but this build does not implement HiSparse residency "
-        "yet: no host pool is allocated and the sparse-MLA KV cache stays fully "
-        "resident on the device.",
+        "device_buffer_size=%d) and the KV cache is grouped for it, but this build does "
+        "not implement HiSparse residency yet: no host pool is allocated and the "
+        "sparse-MLA KV cache stays fully resident on the device.",
         hisparse.mode,
         hisparse.host_pool_gib,
         hisparse.device_buffer_size,
