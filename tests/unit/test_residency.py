@@ -39,8 +39,14 @@ def manager(num_blocks=32, host_pages=16, hot_rows=128, **kwargs) -> tuple[Resid
     return ResidencyManager(pool, HostPagePool(host_pages), BLOCK, hot_rows, **kwargs), pool
 
 
+def take_pages(mgr: ResidencyManager, pool: FreeList, num_pages: int) -> list[list[int]]:
+    blocks = pool.take(num_pages * mgr.blocks_per_page)
+    k = mgr.blocks_per_page
+    return [blocks[i * k : (i + 1) * k] for i in range(num_pages)]
+
+
 def grow(mgr: ResidencyManager, pool: FreeList, request_id: str, pages: int, computed: int) -> None:
-    mgr.append_pages(request_id, pool.take(pages))
+    mgr.append_pages(request_id, take_pages(mgr, pool, pages))
     mgr.advance(request_id, computed)
 
 
@@ -70,6 +76,23 @@ def test_pressure_demotes_copied_pages_and_leases_a_hot_buffer():
     assert req.state is RequestState.MIXED and len(req.hot_blocks) == 1
     assert [p.state for p in req.pages][:4] == [PageState.HOST] * 4, "oldest pages go first"
     assert req.pages[-1].state is PageState.DEVICE, "the tail never leaves"
+    mgr.check()
+
+
+def test_a_page_moves_its_blocks_in_every_sparse_mla_group_together():
+    mgr, pool = manager(num_blocks=24, hot_rows=64, blocks_per_page=2)  # lease = one page, two blocks
+    mgr.add_request("a")
+    grow(mgr, pool, "a", 5, 5 * BLOCK - 1)
+    copies = mgr.plan_copies()
+    assert all(len(c.block_ids) == 2 for c in copies)
+    mgr.complete_copies(copies)
+    free_before = pool.num_free_blocks()
+    assert mgr.relieve_pressure(4) == 4
+    req = mgr.requests["a"]
+    assert len(req.hot_blocks) == 2 and pool.num_free_blocks() == free_before + 4
+    assert [p.state for p in req.pages] == [PageState.HOST] * 3 + [PageState.BOTH, PageState.DEVICE]
+    with pytest.raises(ValueError, match="a page has 2 blocks"):
+        mgr.append_pages("a", [[1]])
     mgr.check()
 
 
@@ -116,7 +139,7 @@ def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
     grow(mgr, pool, "a", 2, BLOCK)
     copies = mgr.plan_copies()
     mgr.finish("a")
-    assert copies[0].block_id not in pool.free, "the worker still reads that block"
+    assert not set(copies[0].block_ids) & set(pool.free), "the worker still reads those blocks"
     mgr.check()
     mgr.complete_copies(copies)
     assert pool.num_free_blocks() == pool.num_blocks
@@ -134,14 +157,16 @@ class ResidencyMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["hybrid", "always"]),
         proactive=st.booleans(),
         budget=st.integers(1, 8),
+        blocks_per_page=st.integers(1, 3),
     )
-    def setup(self, num_blocks, host_pages, hot_rows, mode, proactive, budget):
-        self.pool = FreeList(num_blocks)
+    def setup(self, num_blocks, host_pages, hot_rows, mode, proactive, budget, blocks_per_page):
+        self.pool = FreeList(num_blocks * blocks_per_page)
         self.mgr = ResidencyManager(
             self.pool,
             HostPagePool(host_pages),
             BLOCK,
             hot_rows,
+            blocks_per_page=blocks_per_page,
             mode=mode,
             proactive_copy=proactive,
             max_copies_per_step=budget,
@@ -163,12 +188,13 @@ class ResidencyMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
         req = self.mgr.requests[name]
         target = self.tokens[name] + new_tokens
-        need = -(-target // BLOCK) - len(req.pages)
-        if need > self.pool.num_free_blocks():
-            self.mgr.relieve_pressure(need - self.pool.num_free_blocks(), protect=name)
-        if need > self.pool.num_free_blocks():
+        need = max(-(-target // BLOCK) - len(req.pages), 0)
+        blocks = need * self.mgr.blocks_per_page
+        if blocks > self.pool.num_free_blocks():
+            self.mgr.relieve_pressure(blocks - self.pool.num_free_blocks(), protect=name)
+        if blocks > self.pool.num_free_blocks():
             return  # the scheduler would preempt: modelled by finish
-        self.mgr.append_pages(name, self.pool.take(max(need, 0)))
+        self.mgr.append_pages(name, take_pages(self.mgr, self.pool, need))
         self.tokens[name] = target
         self.mgr.advance(name, target)
 

@@ -8,7 +8,9 @@ pages under pool pressure (leasing the request a hot buffer), and returning
 everything when a request ends. It decides; workers execute the copies it plans
 and report them back through `complete_copies`.
 
-Page states: DEVICE (only on the GPU), BOTH (on the GPU and durably in the host
+A page is the same 64-token block position in each of the k sparse-MLA KV cache
+groups (see kv_grouping), so it holds k device blocks, moved together. Page
+states: DEVICE (only on the GPU), BOTH (on the GPU and durably in the host
 pool), HOST (only in the host pool). A request's state is derived from its
 pages, never stored: FULL (no HOST page), MIXED (some HOST pages, others
 resident), NONE (no resident page outside its tail).
@@ -59,14 +61,14 @@ class BlockAllocator(Protocol):
 
 @dataclass
 class Page:
-    block_id: int | None  # device block, None once the page is HOST
+    block_ids: tuple[int, ...] | None  # one device block per sparse-MLA group; None once HOST
     host_page: int | None = None  # host slot (reserved while a copy is in flight)
     copying: bool = False  # a device->host copy into host_page is in flight
     demote_when_copied: bool = False  # free the device block once the copy lands
 
     @property
     def state(self) -> PageState:
-        if self.block_id is None:
+        if self.block_ids is None:
             return PageState.HOST
         if self.host_page is not None and not self.copying:
             return PageState.BOTH
@@ -100,7 +102,7 @@ class PageCopy:
 
     request_id: str
     page_index: int
-    block_id: int
+    block_ids: tuple[int, ...]
     host_page: int
 
 
@@ -120,6 +122,7 @@ class ResidencyManager:
         host_pool: HostPagePool,
         block_size: int,
         hot_buffer_rows: int,
+        blocks_per_page: int = 1,
         mode: str = "hybrid",
         proactive_copy: bool = True,
         max_copies_per_step: int = 64,
@@ -129,13 +132,14 @@ class ResidencyManager:
         self.allocator = allocator
         self.host_pool = host_pool
         self.block_size = block_size
-        self.hot_lease_blocks = math.ceil(hot_buffer_rows / block_size)
+        self.blocks_per_page = blocks_per_page
+        self.hot_lease_blocks = math.ceil(hot_buffer_rows / block_size) * blocks_per_page
         self.mode = mode
         self.proactive_copy = proactive_copy
         self.max_copies_per_step = max_copies_per_step
         self.requests: dict[str, RequestResidency] = {}
-        # Copies still in flight for requests that already ended: (block, host page, hash).
-        self._orphans: dict[tuple[str, int], tuple[int, int, Hashable | None]] = {}
+        # Copies still in flight for requests that already ended: (blocks, host page, hash).
+        self._orphans: dict[tuple[str, int], tuple[tuple[int, ...], int, Hashable | None]] = {}
         self.counters = ResidencyCounters()
 
     # -- request lifecycle ---------------------------------------------------
@@ -160,15 +164,18 @@ class ResidencyManager:
             return 0
         for page in hits:
             self.host_pool.retain(page)
-            req.pages.append(Page(block_id=None, host_page=page))
+            req.pages.append(Page(block_ids=None, host_page=page))
         req.num_complete_pages = len(hits)
         self._lease_hot_buffer(req)
         self.counters.host_prefix_pages_reused += len(hits)
         return len(hits) * self.block_size
 
-    def append_pages(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """New device blocks the KV cache manager gave the request, in page order."""
-        self.requests[request_id].pages.extend(Page(block_id=b) for b in block_ids)
+    def append_pages(self, request_id: str, pages: Sequence[Sequence[int]]) -> None:
+        """New pages the KV cache manager gave the request, in order: k block ids each."""
+        for block_ids in pages:
+            if len(block_ids) != self.blocks_per_page:
+                raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
+        self.requests[request_id].pages.extend(Page(block_ids=tuple(b)) for b in pages)
 
     def advance(self, request_id: str, num_computed_tokens: int) -> None:
         req = self.requests[request_id]
@@ -181,12 +188,12 @@ class ResidencyManager:
         for index, page in enumerate(req.pages):
             if page.copying:
                 # The worker still reads the block and writes the host page.
-                assert page.block_id is not None and page.host_page is not None
+                assert page.block_ids is not None and page.host_page is not None
                 block_hash = req.block_hashes[index] if index < len(req.block_hashes) else None
-                self._orphans[(request_id, index)] = (page.block_id, page.host_page, block_hash)
+                self._orphans[(request_id, index)] = (page.block_ids, page.host_page, block_hash)
                 continue
-            if page.block_id is not None:
-                blocks.append(page.block_id)
+            if page.block_ids is not None:
+                blocks.extend(page.block_ids)
             if page.host_page is not None:
                 self.host_pool.release(page.host_page)
         self.allocator.give_back(blocks)
@@ -217,9 +224,9 @@ class ResidencyManager:
             except HostPoolExhausted:
                 break
             page = req.pages[index]
-            assert page.block_id is not None
+            assert page.block_ids is not None
             page.host_page, page.copying = host_page, True
-            copies.append(PageCopy(req.request_id, index, page.block_id, host_page))
+            copies.append(PageCopy(req.request_id, index, page.block_ids, host_page))
         return copies
 
     def complete_copies(self, copies: Sequence[PageCopy]) -> None:
@@ -229,15 +236,15 @@ class ResidencyManager:
         for copy in copies:
             orphan = self._orphans.pop((copy.request_id, copy.page_index), None)
             if orphan is not None:
-                block_id, host_page, block_hash = orphan
+                block_ids, host_page, block_hash = orphan
                 if block_hash is not None:
                     self.host_pool.publish(host_page, block_hash)
                 self.host_pool.release(host_page)
-                freed.append(block_id)
+                freed.extend(block_ids)
                 continue
             req = self.requests[copy.request_id]
             page = req.pages[copy.page_index]
-            assert page.copying and page.block_id == copy.block_id and page.host_page == copy.host_page
+            assert page.copying and page.block_ids == copy.block_ids and page.host_page == copy.host_page
             page.copying = False
             self.counters.pages_copied_to_host += 1
             if copy.page_index < len(req.block_hashes):
@@ -271,15 +278,16 @@ class ResidencyManager:
             both = [i for i, p in enumerate(req.pages[: req.num_complete_pages])
                     if p.state is PageState.BOTH]
             lease_cost = 0 if req.hot_blocks else self.hot_lease_blocks
-            take = both[: max(0, blocks_needed - freed_total + lease_cost)]
-            if len(take) <= lease_cost:
+            pages_wanted = math.ceil((blocks_needed - freed_total + lease_cost) / self.blocks_per_page)
+            take = both[: max(0, pages_wanted)]
+            if len(take) * self.blocks_per_page <= lease_cost:
                 continue
             blocks = self._demote(req, take)
             self.allocator.give_back(blocks)
             freed_total += len(blocks)
         self.counters.blocks_freed_under_pressure += freed_total
         if freed_total < blocks_needed:
-            self._mark_for_demotion(blocks_needed - freed_total, protect)
+            self._mark_for_demotion(math.ceil((blocks_needed - freed_total) / self.blocks_per_page), protect)
         return freed_total
 
     def _mark_for_demotion(self, num_pages: int, protect: str | None) -> None:
@@ -300,16 +308,18 @@ class ResidencyManager:
         (topped up from the pool); if even that cannot cover the lease, nothing
         is demoted and the pages stay BOTH, still marked.
         """
-        if not req.hot_blocks and len(indices) + self.allocator.num_free_blocks() < self.hot_lease_blocks:
+        freeable = len(indices) * self.blocks_per_page
+        if not req.hot_blocks and freeable + self.allocator.num_free_blocks() < self.hot_lease_blocks:
             return []
-        blocks = []
+        blocks: list[int] = []
         for index in indices:
             page = req.pages[index]
             assert page.state is PageState.BOTH, "a page leaves the GPU only once its copy is durable"
-            blocks.append(page.block_id)
-            page.block_id = None
+            assert page.block_ids is not None
+            blocks.extend(page.block_ids)
+            page.block_ids = None
             page.demote_when_copied = False
-        self.counters.pages_demoted += len(blocks)
+        self.counters.pages_demoted += len(indices)
         if not req.hot_blocks:
             req.hot_blocks, blocks = blocks[: self.hot_lease_blocks], blocks[self.hot_lease_blocks :]
             if len(req.hot_blocks) < self.hot_lease_blocks:
@@ -337,10 +347,10 @@ class ResidencyManager:
         return out
 
     def device_blocks_held(self) -> list[int]:
-        held = [b for _, (b, _, _) in self._orphans.items()]
+        held = [b for blocks, _, _ in self._orphans.values() for b in blocks]
         for req in self.requests.values():
             held += req.hot_blocks
-            held += [p.block_id for p in req.pages if p.block_id is not None]
+            held += [b for p in req.pages if p.block_ids is not None for b in p.block_ids]
         return held
 
     def check(self) -> None:
@@ -353,7 +363,7 @@ class ResidencyManager:
             if req.state is not RequestState.FULL:
                 assert req.hot_blocks, "a request with HOST pages has a hot buffer"
             for page in req.pages:
-                if page.block_id is None:
+                if page.block_ids is None:
                     assert page.host_page is not None and not page.copying
                 if page.host_page is not None:
                     host_refs[page.host_page] = host_refs.get(page.host_page, 0) + 1
