@@ -3,8 +3,9 @@
 This is not how the distribution is packaged: `scripts/build_wheel.py` builds the
 wheel from the pinned upstream wheel and calls `setup.py build_ext` only to
 compile csrc/ when CUDA torch and nvcc are present. Kernels register their ops
-with TORCH_LIBRARY (no pybind11), so the module is built against the limited
-Python API and loads on every CPython the upstream abi3 wheel supports.
+with TORCH_LIBRARY (no pybind11) and the library is loaded with
+torch.ops.load_library, so it is built against the limited Python API and
+loads on every CPython the upstream abi3 wheel supports.
 """
 
 from pathlib import Path
@@ -26,6 +27,7 @@ def extensions():
         CUDAExtension(
             name="vllm._hisparse_C",
             sources=sources,
+            include_dirs=[str(CSRC)],
             py_limited_api=True,
             extra_compile_args={"cxx": ["-O3", "-DPy_LIMITED_API=0x03080000"],
                                 "nvcc": ["-O3", *CUDA_ARCH_FLAGS]},

@@ -20,13 +20,19 @@ request and per layer (each layer has its own rows). A step whose distinct
 misses for one request exceed its free slots cannot be served and raises
 `HotBufferTooSmall`.
 
+`resolve_topk_slots` is the thin dispatcher: it validates shapes and dtypes,
+then runs the CUDA kernel (csrc/hisparse_resolver.cu, in the `vllm._hisparse_C`
+extension the CUDA wheel builds) on CUDA tensors and the reference elsewhere.
+
 It never allocates hot buffers or host memory; it reads and updates the state
 it is given.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -58,7 +64,69 @@ class HotState:
             raise ValueError(f"hot state covers {self.rows.shape[0]} requests, the batch has {num_requests}")
 
 
+@functools.cache
+def cuda_kernel_available() -> bool:
+    """Load the compiled HiSparse extension once; False where it was not built."""
+    import vllm
+
+    libraries = sorted(Path(vllm.__file__).parent.glob("_hisparse_C*.so"))
+    if not libraries or not torch.cuda.is_available():
+        return False
+    torch.ops.load_library(str(libraries[0]))
+    return True
+
+
 def resolve_topk_slots(
+    positions: torch.Tensor,
+    req_ids: torch.Tensor,
+    page_table: torch.Tensor,
+    block_size: int,
+    kv_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+    host_page_table: torch.Tensor,
+    hot: HotState,
+    step: int,
+    block_stride_rows: int | None = None,
+) -> torch.Tensor:
+    """Resolve on the CUDA kernel for CUDA tensors, on the reference elsewhere (same contract)."""
+    if not (kv_rows.is_cuda and cuda_kernel_available()):
+        return resolve_topk_slots_reference(
+            positions,
+            req_ids,
+            page_table,
+            block_size,
+            kv_rows,
+            host_rows,
+            host_page_table,
+            hot,
+            step,
+            block_stride_rows,
+        )
+    _validate(positions, req_ids, page_table, host_page_table, kv_rows, host_rows)
+    hot.validate(page_table.shape[0])
+    stride = block_size if block_stride_rows is None else block_stride_rows
+    try:
+        return torch.ops._hisparse_C.resolve_topk_slots(
+            positions.long().contiguous(),
+            req_ids.long().contiguous(),
+            page_table.long().contiguous(),
+            kv_rows,
+            host_rows,
+            host_page_table.long().contiguous(),
+            hot.rows,
+            hot.positions,
+            hot.stamps,
+            block_size,
+            stride,
+            step,
+        )
+    except RuntimeError as e:
+        if "HotBufferTooSmall" in str(e):
+            raise HotBufferTooSmall(str(e)) from e
+        raise
+
+
+def resolve_topk_slots_reference(
     positions: torch.Tensor,
     req_ids: torch.Tensor,
     page_table: torch.Tensor,
