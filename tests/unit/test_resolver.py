@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -106,27 +108,6 @@ def test_misses_evict_the_least_recently_used_slot_not_selected_this_step():
 def test_bad_shapes_are_refused_with_the_shapes_seen():
     s = build(5, num_reqs=1, pages=1, hot_slots=1, tokens=1, topk=1, resident_p=1.0, hot_fill=0)
     with pytest.raises(ValueError, match=r"positions must be \[T, K\]"):
-        resolve_topk_slots(
-            s.positions[0],
-            s.req_ids,
-            s.page_table,
-            BLOCK,
-            s.kv_rows,
-            s.host_rows,
-            s.host_page_table,
-            s.hot,
-            s.step,
-        )
+        resolve(replace(s, positions=s.positions[0]))
     with pytest.raises(ValueError, match="hot state stamps must be 2-D int64"):
-        bad = HotState(s.hot.rows, s.hot.positions, s.hot.stamps.int())
-        resolve_topk_slots(
-            s.positions,
-            s.req_ids,
-            s.page_table,
-            BLOCK,
-            s.kv_rows,
-            s.host_rows,
-            s.host_page_table,
-            bad,
-            s.step,
-        )
+        resolve(replace(s, hot=HotState(s.hot.rows, s.hot.positions, s.hot.stamps.int())))
