@@ -20,8 +20,8 @@ request and per layer (each layer has its own rows). A step whose distinct
 misses for one request exceed its free slots cannot be served and raises
 `HotBufferTooSmall`.
 
-`resolve_topk_slots` is the thin dispatcher: it validates shapes and dtypes,
-then runs the CUDA kernel (csrc/hisparse_resolver.cu, in the `vllm._hisparse_C`
+`resolve_topk_slots` validates shapes and dtypes with clear errors, then runs
+the CUDA kernel (csrc/hisparse_resolver.cu, in the `vllm._hisparse_C`
 extension the CUDA wheel builds) on CUDA tensors and the reference elsewhere.
 
 It never allocates hot buffers or host memory; it reads and updates the state
@@ -88,56 +88,6 @@ def resolve_topk_slots(
     step: int,
     block_stride_rows: int | None = None,
 ) -> torch.Tensor:
-    """Resolve on the CUDA kernel for CUDA tensors, on the reference elsewhere (same contract)."""
-    if not (kv_rows.is_cuda and cuda_kernel_available()):
-        return resolve_topk_slots_reference(
-            positions,
-            req_ids,
-            page_table,
-            block_size,
-            kv_rows,
-            host_rows,
-            host_page_table,
-            hot,
-            step,
-            block_stride_rows,
-        )
-    _validate(positions, req_ids, page_table, host_page_table, kv_rows, host_rows)
-    hot.validate(page_table.shape[0])
-    stride = block_size if block_stride_rows is None else block_stride_rows
-    try:
-        return torch.ops._hisparse_C.resolve_topk_slots(
-            positions.long().contiguous(),
-            req_ids.long().contiguous(),
-            page_table.long().contiguous(),
-            kv_rows,
-            host_rows,
-            host_page_table.long().contiguous(),
-            hot.rows,
-            hot.positions,
-            hot.stamps,
-            block_size,
-            stride,
-            step,
-        )
-    except RuntimeError as e:
-        if "HotBufferTooSmall" in str(e):
-            raise HotBufferTooSmall(str(e)) from e
-        raise
-
-
-def resolve_topk_slots_reference(
-    positions: torch.Tensor,
-    req_ids: torch.Tensor,
-    page_table: torch.Tensor,
-    block_size: int,
-    kv_rows: torch.Tensor,
-    host_rows: torch.Tensor,
-    host_page_table: torch.Tensor,
-    hot: HotState,
-    step: int,
-    block_stride_rows: int | None = None,
-) -> torch.Tensor:
     """Resolve selected positions [T, K] (-1 padded) to rows of `kv_rows`, same order.
 
     req_ids [T]: each query's row in the per-request tables. page_table [R, P]:
@@ -146,10 +96,34 @@ def resolve_topk_slots_reference(
     host_rows [num_host_pages * block_size, D]: the layer's device cache and host
     pool as rows. Misses write into `kv_rows` and update `hot`. Returns [T, K] int64,
     -1 where the position is -1.
+
+    Runs the CUDA kernel for CUDA tensors when the extension is built, the torch
+    reference below otherwise; both follow the contract in the module docstring.
     """
     _validate(positions, req_ids, page_table, host_page_table, kv_rows, host_rows)
     hot.validate(page_table.shape[0])
     stride = block_size if block_stride_rows is None else block_stride_rows
+    if kv_rows.is_cuda and cuda_kernel_available():
+        try:
+            return torch.ops._hisparse_C.resolve_topk_slots(
+                positions.long().contiguous(),
+                req_ids.long().contiguous(),
+                page_table.long().contiguous(),
+                kv_rows,
+                host_rows,
+                host_page_table.long().contiguous(),
+                hot.rows,
+                hot.positions,
+                hot.stamps,
+                block_size,
+                stride,
+                step,
+            )
+        except RuntimeError as e:
+            if "HotBufferTooSmall" in str(e):
+                raise HotBufferTooSmall(str(e)) from e
+            raise
+
     pos = positions.long()
     valid = pos >= 0
     safe = pos.clamp(min=0)
