@@ -1,0 +1,460 @@
+"""vLLM's real Scheduler and KVCacheManager for a tiny GLM-5 model, with no model behind them.
+
+This module owns the test harness for scheduler-level integration tests (upcoming
+HiSparse residency work): it builds what ``EngineCore`` builds before its first step
+and drives the scheduler step by step the way ``EngineCore.step`` does.
+
+- ``make_vllm_config``: a real ``VllmConfig`` for the tiny GLM-5 (``glm_moe_dsa``)
+  checkpoint from ``scripts/tiny_models.py``, through ``EngineArgs.create_engine_config``.
+- ``model_kv_cache_specs``: the per-layer KV cache specs the model's layers would report
+  to the engine (one sparse-MLA latent cache and one indexer K cache per decoder layer),
+  computed from the config without instantiating the model.
+- ``build_kv_cache_config``: the scheduler's ``KVCacheConfig`` for a number of blocks (or
+  bytes), following ``EngineCore._initialize_kv_caches`` (layout resolution, grouping,
+  HiSparse's group split when ``hisparse_config`` is set, capacity bookkeeping).
+- ``SchedulerHarness``: a real ``vllm.v1.core.sched.scheduler.Scheduler`` plus the block
+  hasher ``EngineCore`` uses for prefix caching; ``add_request`` makes real ``Request``
+  objects the way ``EngineCore.preprocess_add_request`` does; ``step`` runs
+  ``schedule()``, fabricates the ``ModelRunnerOutput`` a worker would return (a fixed
+  token for every request whose prefill is complete, nothing for a partial prefill
+  chunk) and hands it to ``update_from_output``; ``run_until_done`` repeats that and
+  returns one ``StepObservation`` per step.
+
+It runs no model: the worker and executor are absent, so nothing is computed and no KV
+cache memory is allocated; only scheduling and block accounting are real. It never
+modifies vLLM: it only calls the installed vLLM's own functions and classes, and its
+fidelity to a real engine is pinned by ``tests/integration/test_scheduler_harness.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tiny_models
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import BlockHash
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_CACHE = REPO / ".cache" / "tiny-models"
+# index_topk=32: any prompt over 32 tokens is a sparse-attention prompt.
+TINY_GLM5 = tiny_models.TinyModelSpec(arch="glm5", index_topk=32)
+# attention_config that turns on Hybrid HiSparse's KV cache grouping.
+HISPARSE = {"hisparse_config": {"host_pool_gib": 1}}
+# The indexer's K cache stores 128-wide fp8 blocks, each followed by one fp32 scale
+# (DeepSeek-V3.2 / GLM-5 indexer: quant_block_size = 128).
+INDEXER_QUANT_BLOCK = 128
+# The synthetic "sampled" token: a plain vocabulary id, not bos/eos/pad (ids 0-2).
+DEFAULT_SAMPLED_TOKEN = 100
+
+
+def tiny_glm5_dir(spec: tiny_models.TinyModelSpec = TINY_GLM5) -> Path:
+    """The cached tiny GLM-5 checkpoint (built on first use, about a second)."""
+    return tiny_models.tiny_model_dir(spec, MODEL_CACHE)
+
+
+def make_vllm_config(
+    model: str | Path | None = None,
+    *,
+    max_model_len: int = 1024,
+    enable_prefix_caching: bool = True,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    attention_config: dict[str, Any] | None = None,
+    **engine_args: Any,
+) -> VllmConfig:
+    """A real VllmConfig, as ``EngineArgs.create_engine_config`` makes it for an engine.
+
+    ``model`` defaults to the tiny GLM-5 checkpoint; ``attention_config=HISPARSE`` turns
+    on HiSparse's KV cache grouping. Extra keyword arguments go to ``EngineArgs``.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    args: dict[str, Any] = dict(
+        model=str(model if model is not None else tiny_glm5_dir()),
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+        **engine_args,
+    )
+    if max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = max_num_batched_tokens
+    if max_num_seqs is not None:
+        args["max_num_seqs"] = max_num_seqs
+    if attention_config is not None:
+        args["attention_config"] = attention_config
+    return EngineArgs(**args).create_engine_config()
+
+
+def model_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
+    """The KV cache specs the DSA model's layers report, in the order the worker reports them.
+
+    Mirrors ``DeepseekV32IndexerCache.get_kv_cache_spec`` and
+    ``MLAAttention.get_kv_cache_spec`` for each decoder layer: the layers register in
+    construction order, the indexer (inside the attention module) before the attention
+    layer, so each layer contributes ``...indexer.k_cache`` then ``...attn``.
+    """
+    import torch
+
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    if getattr(hf, "index_topk", None) is None:
+        raise ValueError(f"{model_config.model} is not a DSA (sparse-MLA) model: no index_topk")
+    block_size = vllm_config.cache_config.block_size
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    index_head_dim = hf.index_head_dim
+    indexer_spec = MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=index_head_dim + index_head_dim // INDEXER_QUANT_BLOCK * 4,
+        dtype=torch.uint8,
+    )
+    mla_spec = MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=hf.kv_lora_rank + hf.qk_rope_head_dim,
+        dtype=kv_cache_dtype_str_to_dtype(cache_dtype, model_config),
+        cache_dtype_str=cache_dtype,
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+        state_content_bytes=656 if cache_dtype == "fp8_ds_mla" else None,
+    )
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(hf.num_hidden_layers):
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = indexer_spec
+        specs[f"model.layers.{i}.self_attn.attn"] = mla_spec
+    return specs
+
+
+def _model_attention_backends(vllm_config: VllmConfig) -> list[type]:
+    """The attention backend classes the model's two kinds of layers would select."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.attention.selector import get_attn_backend
+
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    with set_current_vllm_config(vllm_config):
+        mla_backend = get_attn_backend(
+            hf.kv_lora_rank + hf.qk_rope_head_dim,
+            kv_cache_dtype_str_to_dtype(cache_dtype, model_config),
+            cache_dtype,
+            use_mla=True,
+            use_sparse=True,
+            num_heads=hf.num_attention_heads // vllm_config.parallel_config.tensor_parallel_size,
+        )
+    # As DeepseekV32IndexerCache.get_attn_backend chooses.
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.mla.cpu_dsa import CPUDSAIndexerBackend as indexer_backend
+    else:
+        from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend as indexer_backend
+    return [indexer_backend, mla_backend]
+
+
+def resolve_layout(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec]) -> str:
+    """Resolve (and record on cache_config) the KV cache layout, as the engine core does.
+
+    A layout already recorded wins (``hisparse_config`` records BLHNC at config time).
+    """
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+
+    backends = _model_attention_backends(vllm_config)
+    supported = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    return resolve_kv_cache_layout(vllm_config, [supported], list(specs.values())).name
+
+
+def build_kv_cache_config(
+    vllm_config: VllmConfig,
+    specs: dict[str, KVCacheSpec],
+    *,
+    num_blocks: int | None = None,
+    memory_bytes: int | None = None,
+) -> KVCacheConfig:
+    """The scheduler's KVCacheConfig, following ``EngineCore._initialize_kv_caches``.
+
+    Give exactly one of ``num_blocks`` (the block pool size, null block included; set
+    through ``cache_config.num_gpu_blocks_override``, as ``--num-gpu-blocks-override``
+    does) or ``memory_bytes`` (what a worker would report as available for KV cache).
+    Like the engine core it updates ``vllm_config.cache_config`` (layout, num_gpu_blocks,
+    block_size, capacity), so use one config per scheduler.
+    """
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_configs,
+        update_kv_cache_capacity,
+    )
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    if (num_blocks is None) == (memory_bytes is None):
+        raise ValueError("give exactly one of num_blocks and memory_bytes")
+    cache_config = vllm_config.cache_config
+    if num_blocks is not None:
+        cache_config.num_gpu_blocks_override = num_blocks
+        memory_bytes = 0  # replaced by num_blocks x bytes per block
+    register_all_kvcache_specs(vllm_config)
+    worker_specs = [dict(specs)]  # one worker; get_kv_cache_configs may rewrite specs in place
+    resolve_layout(vllm_config, worker_specs[0])
+    kv_cache_configs = get_kv_cache_configs(vllm_config, worker_specs, [memory_bytes])
+    for config in kv_cache_configs:
+        config.kv_cache_layout = cache_config.kv_cache_layout
+    scheduler_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+    cache_config.num_gpu_blocks = scheduler_config.num_blocks
+    if scheduler_config.kv_cache_groups:
+        cache_config.block_size = min(g.kv_cache_spec.block_size for g in scheduler_config.kv_cache_groups)
+        update_kv_cache_capacity(vllm_config, scheduler_config)
+    vllm_config.validate_block_size()
+    return scheduler_config
+
+
+def make_block_hasher(
+    vllm_config: VllmConfig, hash_block_size: int
+) -> Callable[[Request], list[BlockHash]] | None:
+    """The request block hasher EngineCore installs (None when prefix caching is off)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    if not vllm_config.cache_config.enable_prefix_caching and vllm_config.kv_transfer_config is None:
+        return None
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(hash_block_size, hash_fn)
+
+
+@dataclass
+class StepObservation:
+    """What one harness step did and left behind.
+
+    ``block_table_lengths`` and ``num_computed_tokens`` are taken right after
+    ``schedule()`` (the tables a worker would receive; computed tokens already include
+    the step's scheduled tokens, as the scheduler counts them) for the requests the
+    scheduler holds; the queue sizes, free blocks, ``num_output_tokens`` (every request
+    added so far) and ``finished`` are taken after ``update_from_output``.
+    """
+
+    step: int
+    num_scheduled_tokens: dict[str, int]
+    # req_id -> cached tokens of a request admitted (new, not resumed) in this step.
+    new_request_cached_tokens: dict[str, int]
+    num_preempted: int
+    total_preemptions: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_computed_tokens: dict[str, int]
+    block_table_lengths: dict[str, tuple[int, ...]]
+    num_output_tokens: dict[str, int] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+
+
+class SchedulerHarness:
+    """A real Scheduler over a real KVCacheConfig, stepped with synthetic model output."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        *,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        specs: dict[str, KVCacheSpec] | None = None,
+        sampled_token: int = DEFAULT_SAMPLED_TOKEN,
+    ) -> None:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.vllm_config = vllm_config
+        self.specs = specs if specs is not None else model_kv_cache_specs(vllm_config)
+        self.kv_cache_config = build_kv_cache_config(
+            vllm_config, self.specs, num_blocks=num_blocks, memory_bytes=memory_bytes
+        )
+        self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(
+            self.kv_cache_config, vllm_config
+        )
+        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+        self.scheduler: Scheduler = scheduler_cls(
+            vllm_config=vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            include_finished_set=False,
+            log_stats=True,
+        )
+        self.block_hasher = make_block_hasher(vllm_config, self.hash_block_size)
+        self.sampled_token = sampled_token
+        self.requests: dict[str, Request] = {}
+        self.observations: list[StepObservation] = []
+        self.total_preemptions = 0
+        self._ids = itertools.count()
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        sampled_token: int = DEFAULT_SAMPLED_TOKEN,
+        **config_args: Any,
+    ) -> SchedulerHarness:
+        """A harness over a fresh ``make_vllm_config(**config_args)``."""
+        return cls(
+            make_vllm_config(**config_args),
+            num_blocks=num_blocks,
+            memory_bytes=memory_bytes,
+            sampled_token=sampled_token,
+        )
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def kv_cache_manager(self):
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def block_pool(self):
+        return self.scheduler.kv_cache_manager.block_pool
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.kv_cache_config.kv_cache_groups)
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table, one list per KV cache group."""
+        return self.kv_cache_manager.get_block_ids(request_id)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.skipped_waiting)
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, req in self.requests.items() if not req.is_finished()]
+
+    # --------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        request_id: str | None = None,
+        **sampling_args: Any,
+    ) -> Request:
+        """Add a request the way EngineCore does (EngineCoreRequest -> Request + block hasher)."""
+        from vllm import SamplingParams
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm.v1.request import Request
+
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling_args)
+        core_request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        request = Request.from_engine_core_request(core_request, self.block_hasher)
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request
+
+    # ------------------------------------------------------------------ steps
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def model_runner_output(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """What the worker would return: ``sampled_token`` for every scheduled request whose
+        prefill is complete after this step, nothing for a partial prefill chunk (the V1
+        model runner's ``discard_request_mask``: computed tokens < tokens)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            done_prefill = request.num_computed_tokens >= request.num_tokens
+            sampled.append([self.sampled_token] if done_prefill else [])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def step(self) -> StepObservation:
+        """One EngineCore step: schedule, synthetic forward, update_from_output."""
+        scheduler_output = self.schedule()
+        num_preempted = len(scheduler_output.preempted_req_ids or ())
+        self.total_preemptions += num_preempted
+        cached = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        live = [rid for rid in self.scheduler.requests if rid in self.requests]
+        num_computed = {rid: self.requests[rid].num_computed_tokens for rid in live}
+        table_lengths = {rid: tuple(len(ids) for ids in self.block_ids(rid)) for rid in live}
+        was_unfinished = set(self.unfinished())
+
+        self.scheduler.update_from_output(scheduler_output, self.model_runner_output(scheduler_output))
+
+        observation = StepObservation(
+            step=len(self.observations),
+            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            new_request_cached_tokens=cached,
+            num_preempted=num_preempted,
+            total_preemptions=self.total_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.num_waiting(),
+            num_free_blocks=self.num_free_blocks(),
+            num_computed_tokens=num_computed,
+            block_table_lengths=table_lengths,
+            num_output_tokens={rid: req.num_output_tokens for rid, req in self.requests.items()},
+            finished=sorted(was_unfinished - set(self.unfinished())),
+        )
+        self.observations.append(observation)
+        return observation
+
+    def run_until_done(self, max_steps: int = 1000, *, strict: bool = True) -> list[StepObservation]:
+        """Step until the scheduler has no requests left; return this call's observations.
+
+        With ``strict`` (default), not finishing within ``max_steps`` raises RuntimeError.
+        """
+        observations: list[StepObservation] = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return observations
+            observations.append(self.step())
+        if strict and self.scheduler.has_requests():
+            raise RuntimeError(
+                f"requests {self.unfinished()} unfinished after {max_steps} steps; "
+                f"last step: {observations[-1] if observations else None}"
+            )
+        return observations
+
+
+def kv_cache_config_summary(config: KVCacheConfig) -> list[tuple[list[str], type, int, int]]:
+    """(layer names, spec class, page size in bytes, block size) per KV cache group."""
+    summary = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        summary.append((list(group.layer_names), type(spec), spec.page_size_bytes, spec.block_size))
+    return summary
