@@ -1,7 +1,7 @@
 """vLLM's real Scheduler and KVCacheManager for a tiny GLM-5 model, with no model behind them.
 
-This module owns the test harness for scheduler-level integration tests (upcoming
-HiSparse residency work): it builds what ``EngineCore`` builds before its first step
+This module owns the test harness for scheduler-level integration tests (HiSparse
+residency among them): it builds what ``EngineCore`` builds before its first step
 and drives the scheduler step by step the way ``EngineCore.step`` does.
 
 - ``make_vllm_config``: a real ``VllmConfig`` for the tiny GLM-5 (``glm_moe_dsa``)
@@ -19,6 +19,10 @@ and drives the scheduler step by step the way ``EngineCore.step`` does.
   token for every request whose prefill is complete, nothing for a partial prefill
   chunk) and hands it to ``update_from_output``; ``run_until_done`` repeats that and
   returns one ``StepObservation`` per step.
+- With ``hisparse_config`` set, the harness plays the worker's part of the residency
+  protocol: it reports every copy in the step's ``hisparse_plan`` as done (or none, with
+  ``runs_hisparse_plans=False``, as a worker without HiSparse does). No bytes move: the
+  tests built on it check plans and bookkeeping, not KV contents.
 
 It runs no model: the worker and executor are absent, so nothing is computed and no KV
 cache memory is allocated; only scheduling and block accounting are real. It never
@@ -261,6 +265,11 @@ class StepObservation:
     block_table_lengths: dict[str, tuple[int, ...]]
     num_output_tokens: dict[str, int] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
+    # With hisparse_config: the step's plan, and after update_from_output each
+    # registered request's residency state ("full" / "mixed" / "none") and the counters.
+    hisparse_plan: Any = None
+    hisparse_states: dict[str, str] = field(default_factory=dict)
+    hisparse_stats: dict[str, int] = field(default_factory=dict)
 
 
 class SchedulerHarness:
@@ -274,12 +283,17 @@ class SchedulerHarness:
         memory_bytes: int | None = None,
         specs: dict[str, KVCacheSpec] | None = None,
         sampled_token: int = DEFAULT_SAMPLED_TOKEN,
+        runs_hisparse_plans: bool = True,
     ) -> None:
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+        from vllm.v1.hisparse import scheduling
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.vllm_config = vllm_config
         self.specs = specs if specs is not None else model_kv_cache_specs(vllm_config)
+        # The harness plays the worker side: with runs_hisparse_plans, start-up sizing and
+        # admission are those of a build whose workers execute residency plans.
+        scheduling.workers_execute_plans = runs_hisparse_plans
         self.kv_cache_config = build_kv_cache_config(
             vllm_config, self.specs, num_blocks=num_blocks, memory_bytes=memory_bytes
         )
@@ -296,8 +310,10 @@ class SchedulerHarness:
             include_finished_set=False,
             log_stats=True,
         )
+        scheduling.workers_execute_plans = False
         self.block_hasher = make_block_hasher(vllm_config, self.hash_block_size)
         self.sampled_token = sampled_token
+        self.runs_hisparse_plans = runs_hisparse_plans
         self.requests: dict[str, Request] = {}
         self.observations: list[StepObservation] = []
         self.total_preemptions = 0
@@ -310,6 +326,7 @@ class SchedulerHarness:
         num_blocks: int | None = None,
         memory_bytes: int | None = None,
         sampled_token: int = DEFAULT_SAMPLED_TOKEN,
+        runs_hisparse_plans: bool = True,
         **config_args: Any,
     ) -> SchedulerHarness:
         """A harness over a fresh ``make_vllm_config(**config_args)``."""
@@ -318,6 +335,7 @@ class SchedulerHarness:
             num_blocks=num_blocks,
             memory_bytes=memory_bytes,
             sampled_token=sampled_token,
+            runs_hisparse_plans=runs_hisparse_plans,
         )
 
     # ------------------------------------------------------------------ state
@@ -340,6 +358,11 @@ class SchedulerHarness:
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table, one list per KV cache group."""
         return self.kv_cache_manager.get_block_ids(request_id)
+
+    @property
+    def hisparse(self):
+        """The scheduler's HiSparse state (None without hisparse_config)."""
+        return self.scheduler.hisparse
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.skipped_waiting)
@@ -394,13 +417,21 @@ class SchedulerHarness:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:
-            request = self.scheduler.requests[req_id]
+            request = self.scheduler.requests.get(req_id)
+            if request is None:  # aborted after schedule(): the scheduler drops its output
+                sampled.append([])
+                continue
             done_prefill = request.num_computed_tokens >= request.num_tokens
             sampled.append([self.sampled_token] if done_prefill else [])
+        plan = scheduler_output.hisparse_plan
+        copied = None
+        if plan is not None and self.runs_hisparse_plans:
+            copied = [(copy.request_id, copy.page_index) for copy in plan.copies]
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            hisparse_copied=copied,
         )
 
     def step(self) -> StepObservation:
@@ -430,6 +461,12 @@ class SchedulerHarness:
             num_output_tokens={rid: req.num_output_tokens for rid, req in self.requests.items()},
             finished=sorted(was_unfinished - set(self.unfinished())),
         )
+        if self.hisparse is not None:
+            observation.hisparse_plan = scheduler_output.hisparse_plan
+            observation.hisparse_states = {
+                rid: req.state.value for rid, req in self.hisparse.residency.requests.items()
+            }
+            observation.hisparse_stats = self.hisparse.stats()
         self.observations.append(observation)
         return observation
 

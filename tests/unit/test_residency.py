@@ -13,12 +13,18 @@ from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 BLOCK = 64
 
 
-class FreeList:
-    """A device block pool that records every hand-out, so double ownership shows."""
+class BlockPoolModel:
+    """The shared block pool plus the requests' block tables, with reference counts.
+
+    Mirrors how vLLM's KV cache manager owns page blocks (through each request's
+    table) so double ownership and leaks show as wrong reference counts.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.free = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.tables: dict[str, list[tuple[int, ...] | None]] = {}
 
     def num_free_blocks(self) -> int:
         return len(self.free)
@@ -27,27 +33,72 @@ class FreeList:
         if num_blocks > len(self.free):
             raise RuntimeError(f"asked {num_blocks} blocks, {len(self.free)} free")
         taken, self.free = self.free[:num_blocks], self.free[num_blocks:]
+        for block in taken:
+            assert self.refs[block] == 0
+            self.refs[block] = 1
         return taken
 
     def give_back(self, block_ids) -> None:
-        assert not set(block_ids) & set(self.free), "a block returned twice"
-        self.free.extend(block_ids)
+        for block in block_ids:
+            assert self.refs[block] > 0, f"block {block} returned more often than taken"
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+
+    def hold(self, block_ids) -> None:
+        for block in block_ids:
+            assert self.refs[block] > 0, "only a referenced block can be held"
+            self.refs[block] += 1
+
+    def num_exclusive(self, block_ids) -> int:
+        return sum(self.refs[b] == 1 for b in block_ids)
+
+    def drop_page(self, request_id, page_index, block_ids) -> int:
+        assert self.tables[request_id][page_index] == tuple(block_ids)
+        self.tables[request_id][page_index] = None
+        before = len(self.free)
+        self.give_back(block_ids)
+        return len(self.free) - before
+
+    # -- the KV cache manager's side ------------------------------------------
+
+    def allocate_pages(self, request_id: str, num_pages: int, blocks_per_page: int) -> list[list[int]]:
+        blocks = self.take(num_pages * blocks_per_page)
+        pages = [blocks[i * blocks_per_page : (i + 1) * blocks_per_page] for i in range(num_pages)]
+        self.tables.setdefault(request_id, []).extend(tuple(p) for p in pages)
+        return pages
+
+    def add_placeholders(self, request_id: str, num_pages: int) -> None:
+        self.tables.setdefault(request_id, []).extend([None] * num_pages)
+
+    def free_request(self, request_id: str) -> None:
+        for page in self.tables.pop(request_id, []):
+            if page is not None:
+                self.give_back(page)
+
+    def check(self, mgr: ResidencyManager) -> None:
+        expected = [0] * self.num_blocks
+        owners = [b for t in self.tables.values() for p in t if p is not None for b in p]
+        for block in owners + mgr.leased_blocks() + mgr.held_blocks():
+            expected[block] += 1
+        assert expected == self.refs, "every block reference is owned once"
+        assert sorted(self.free) == [b for b in range(self.num_blocks) if self.refs[b] == 0]
 
 
-def manager(num_blocks=32, host_pages=16, hot_rows=128, **kwargs) -> tuple[ResidencyManager, FreeList]:
-    pool = FreeList(num_blocks)
+def manager(num_blocks=32, host_pages=16, hot_rows=128, **kwargs) -> tuple[ResidencyManager, BlockPoolModel]:
+    pool = BlockPoolModel(num_blocks)
     return ResidencyManager(pool, HostPagePool(host_pages), BLOCK, hot_rows, **kwargs), pool
 
 
-def take_pages(mgr: ResidencyManager, pool: FreeList, num_pages: int) -> list[list[int]]:
-    blocks = pool.take(num_pages * mgr.blocks_per_page)
-    k = mgr.blocks_per_page
-    return [blocks[i * k : (i + 1) * k] for i in range(num_pages)]
-
-
-def grow(mgr: ResidencyManager, pool: FreeList, request_id: str, pages: int, computed: int) -> None:
-    mgr.append_pages(request_id, take_pages(mgr, pool, pages))
+def grow(mgr: ResidencyManager, pool: BlockPoolModel, request_id: str, pages: int, computed: int) -> None:
+    mgr.append_pages(request_id, pool.allocate_pages(request_id, pages, mgr.blocks_per_page))
     mgr.advance(request_id, computed)
+
+
+def end(mgr: ResidencyManager, pool: BlockPoolModel, request_id: str) -> None:
+    """The scheduler's order: residency first (holds in-flight blocks), then the block table."""
+    mgr.finish(request_id)
+    pool.free_request(request_id)
 
 
 def test_no_pressure_keeps_every_request_full_and_copies_ahead():
@@ -114,8 +165,12 @@ def test_always_mode_demotes_without_pressure():
     mgr.add_request("a")
     grow(mgr, pool, "a", 4, 4 * BLOCK - 1)
     mgr.complete_copies(mgr.plan_copies())
-    assert [p.state for p in mgr.requests["a"].pages] == [PageState.HOST] * 3 + [PageState.DEVICE]
-    assert mgr.requests["a"].state is RequestState.NONE
+    states = [p.state for p in mgr.requests["a"].pages]
+    assert states == [PageState.HOST] * 2 + [PageState.BOTH, PageState.DEVICE], "the tail stays"
+    assert mgr.requests["a"].state is RequestState.MIXED
+    grow(mgr, pool, "a", 1, 5 * BLOCK - 1)  # the tail moves on: its old last page can go
+    mgr.complete_copies(mgr.plan_copies())
+    assert [p.state for p in mgr.requests["a"].pages][:3] == [PageState.HOST] * 3
     mgr.check()
 
 
@@ -124,13 +179,20 @@ def test_a_host_only_prefix_starts_the_next_request_none():
     mgr.add_request("a", block_hashes=["h0", "h1", "h2"])
     grow(mgr, pool, "a", 4, 4 * BLOCK - 1)
     mgr.complete_copies(mgr.plan_copies())
-    mgr.finish("a")
+    end(mgr, pool, "a")
     assert pool.num_free_blocks() == pool.num_blocks
-    tokens = mgr.add_request("b", block_hashes=["h0", "h1", "hX"])
-    assert tokens == 2 * BLOCK
+    hits = mgr.host_prefix(["h0", "h1", "hX"])
+    assert len(hits) == 2
+    mgr.add_request("b", block_hashes=["h0", "h1", "hX"])
+    pool.add_placeholders("b", len(hits))
+    mgr.append_host_pages("b", hits, mgr.lease())
+    grow(mgr, pool, "b", 1, 2 * BLOCK)
     assert mgr.requests["b"].state is RequestState.NONE
     assert mgr.counters.host_prefix_pages_reused == 2
     mgr.check()
+    pool.check(mgr)
+    end(mgr, pool, "b")
+    assert pool.num_free_blocks() == pool.num_blocks and mgr.host_pool.num_referenced == 0
 
 
 def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
@@ -138,13 +200,51 @@ def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
     mgr.add_request("a", block_hashes=["x"])
     grow(mgr, pool, "a", 2, BLOCK)
     copies = mgr.plan_copies()
-    mgr.finish("a")
+    end(mgr, pool, "a")
     assert not set(copies[0].block_ids) & set(pool.free), "the worker still reads those blocks"
     mgr.check()
+    pool.check(mgr)
     mgr.complete_copies(copies)
     assert pool.num_free_blocks() == pool.num_blocks
     assert mgr.host_pool.lookup("x") == copies[0].host_page, "the landed copy serves later prefixes"
     mgr.check()
+
+
+def test_a_cancelled_copy_leaves_the_page_resident_and_returns_its_host_slot():
+    mgr, pool = manager(proactive_copy=False)
+    mgr.add_request("a", block_hashes=["x", "y"])
+    grow(mgr, pool, "a", 3, 3 * BLOCK)
+    mgr.relieve_pressure(2)
+    copies = mgr.plan_copies()
+    assert len(copies) == 2
+    mgr.cancel_copies(copies)
+    assert mgr.pages_by_state()[PageState.DEVICE] == 3 and mgr.host_pool.num_referenced == 0
+    assert mgr.host_pool.lookup("x") is None, "a copy that did not happen is never published"
+    retry = mgr.plan_copies()
+    assert [c.page_index for c in retry] == [0, 1], "still marked for demotion"
+    mgr.complete_copies(retry)
+    assert mgr.requests["a"].count(PageState.HOST) == 2
+    mgr.check()
+    pool.check(mgr)
+
+
+def test_a_page_shared_with_another_request_frees_nothing_when_demoted():
+    mgr, pool = manager(num_blocks=16, hot_rows=64, proactive_copy=True)
+    mgr.add_request("a")
+    grow(mgr, pool, "a", 3, 3 * BLOCK)
+    shared = pool.tables["a"][0]
+    pool.hold(shared)  # another request's block table references the same prefix block
+    pool.tables["b"] = [shared]
+    mgr.complete_copies(mgr.plan_copies())
+    free_before = pool.num_free_blocks()
+    freed = mgr.relieve_pressure(2)
+    assert pool.num_free_blocks() == free_before + freed
+    assert shared[0] not in pool.free and mgr.requests["a"].pages[0].state is PageState.HOST
+    mgr.check()
+    pool.check(mgr)
+    end(mgr, pool, "a")
+    pool.free_request("b")
+    assert pool.num_free_blocks() == pool.num_blocks
 
 
 class ResidencyMachine(RuleBasedStateMachine):
@@ -160,7 +260,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         blocks_per_page=st.integers(1, 3),
     )
     def setup(self, num_blocks, host_pages, hot_rows, mode, proactive, budget, blocks_per_page):
-        self.pool = FreeList(num_blocks * blocks_per_page)
+        self.pool = BlockPoolModel(num_blocks * blocks_per_page)
         self.mgr = ResidencyManager(
             self.pool,
             HostPagePool(host_pages),
@@ -171,7 +271,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             proactive_copy=proactive,
             max_copies_per_step=budget,
         )
-        self.in_flight = []
+        self.in_flight: list[list] = []
         self.next_id = 0
         self.tokens: dict[str, int] = {}
 
@@ -180,7 +280,16 @@ class ResidencyMachine(RuleBasedStateMachine):
         name = f"r{self.next_id}"
         self.next_id += 1
         hashes = [f"p{i}" for i in range(shared_prefix)] + [f"{name}-{i}" for i in range(4)]
-        self.tokens[name] = self.mgr.add_request(name, hashes)
+        self.mgr.add_request(name, hashes)
+        hits = self.mgr.host_prefix(hashes)
+        lease = self.mgr.lease() if hits else []
+        if not lease:
+            hits = []  # no room for a hot buffer: the prefix is recomputed
+        self.pool.add_placeholders(name, len(hits))
+        if hits:
+            self.mgr.append_host_pages(name, hits, lease)
+        self.tokens[name] = len(hits) * BLOCK
+        self.mgr.advance(name, self.tokens[name])
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data(), new_tokens=st.integers(1, 200))
@@ -194,7 +303,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.mgr.relieve_pressure(blocks - self.pool.num_free_blocks(), protect=name)
         if blocks > self.pool.num_free_blocks():
             return  # the scheduler would preempt: modelled by finish
-        self.mgr.append_pages(name, take_pages(self.mgr, self.pool, need))
+        self.mgr.append_pages(name, self.pool.allocate_pages(name, need, self.mgr.blocks_per_page))
         self.tokens[name] = target
         self.mgr.advance(name, target)
 
@@ -203,10 +312,15 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.in_flight.append(self.mgr.plan_copies())
 
     @precondition(lambda self: self.in_flight)
-    @rule(data=st.data())
-    def land(self, data):
+    @rule(data=st.data(), lands=st.booleans())
+    def land(self, data, lands):
         batch = self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
-        self.mgr.complete_copies(batch)
+        free_before = self.pool.num_free_blocks()
+        if lands:
+            freed = self.mgr.complete_copies(batch)
+            assert self.pool.num_free_blocks() >= free_before + freed
+        else:
+            self.mgr.cancel_copies(batch)
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data(), blocks=st.integers(1, 12))
@@ -220,7 +334,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish(self, data):
         name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
-        self.mgr.finish(name)
+        end(self.mgr, self.pool, name)
         del self.tokens[name]
 
     @invariant()
@@ -228,14 +342,13 @@ class ResidencyMachine(RuleBasedStateMachine):
         if not hasattr(self, "mgr"):
             return
         self.mgr.check()
-        held = self.mgr.device_blocks_held()
-        assert sorted(held + self.pool.free) == list(range(self.pool.num_blocks)), "every block owned once"
+        self.pool.check(self.mgr)
 
     def teardown(self):
         if not hasattr(self, "mgr"):
             return
         for name in list(self.mgr.requests):
-            self.mgr.finish(name)
+            end(self.mgr, self.pool, name)
         for batch in self.in_flight:
             self.mgr.complete_copies(batch)
         assert self.pool.num_free_blocks() == self.pool.num_blocks, "everything returns at the end"

@@ -174,9 +174,10 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
     logger.warning(
         "Hybrid HiSparse: hisparse_config is valid (mode=%s, host_pool_gib=%s, "
-        "device_buffer_size=%d) and the KV cache is grouped for it, but this build does "
-        "not implement HiSparse residency yet: no host pool is allocated and the "
-        "sparse-MLA KV cache stays fully resident on the device.",
+        "device_buffer_size=%d), the KV cache is grouped for it and the scheduler plans "
+        "residency, but this build's workers do not execute HiSparse residency plans yet: "
+        "no host pool is allocated and the sparse-MLA KV cache stays fully resident on "
+        "the device.",
         hisparse.mode,
         hisparse.host_pool_gib,
         hisparse.device_buffer_size,

@@ -17,12 +17,17 @@ width, so few wide groups waste the indexer group's share and many narrow
 groups cost blocks; the sparse-MLA groups are kept at least as wide as the
 indexer group so a block stride is a whole number of latent rows.
 
-It never allocates memory; it only returns group specs.
+It also owns the start-up capacity rule with HiSparse on: one request at
+max_model_len needs every indexer page on the device but only a few pages of
+each sparse-MLA group (see `hisparse_device_blocks_per_request`).
+
+It never allocates memory; it only returns group specs and block counts.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -88,3 +93,58 @@ def hisparse_kv_cache_groups(
     from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
 
     return create_kv_cache_group_specs(kv_cache_spec, grouped)
+
+
+def hisparse_device_blocks_per_request(vllm_config: VllmConfig, groups: list[KVCacheGroupSpec]) -> int:
+    """Device blocks one request at max_model_len holds at most with HiSparse residency.
+
+    The indexer group keeps every page of the context; each sparse-MLA group keeps
+    the pages of the chunk being computed, the resident tail and the hot lease, as
+    the residency manager leaves them; the rest of the context lives in the host pool.
+    """
+    from vllm.v1.hisparse.residency import RESIDENT_TAIL_PAGES
+
+    hisparse = vllm_config.attention_config.hisparse_config
+    assert hisparse is not None and hisparse.device_buffer_size is not None
+    max_len = vllm_config.model_config.max_model_len
+    chunk = min(vllm_config.scheduler_config.max_num_batched_tokens, max_len)
+    total = 0
+    for group in groups:
+        block_size = group.kv_cache_spec.block_size
+        if all(name.endswith(INDEXER_LAYER_SUFFIX) for name in group.layer_names):
+            total += math.ceil(max_len / block_size)
+        else:
+            chunk_pages = math.ceil(chunk / block_size) + 1  # a chunk may straddle a page
+            lease_pages = math.ceil(hisparse.device_buffer_size / block_size)
+            total += min(math.ceil(max_len / block_size), chunk_pages + RESIDENT_TAIL_PAGES + lease_pages)
+    return total
+
+
+def hisparse_max_memory_usage(
+    vllm_config: VllmConfig, groups: list[KVCacheGroupSpec], bytes_per_block: int
+) -> Callable[[], int] | None:
+    """The start-up KV memory need of one max_model_len request under HiSparse.
+
+    None (upstream's full-residency rule applies) when HiSparse is off or the
+    workers do not execute residency plans.
+
+    Also refuses, naming the fields, a host pool that cannot hold such a request.
+    """
+    from vllm.v1.hisparse import scheduling
+
+    hisparse = vllm_config.attention_config.hisparse_config
+    if hisparse is None or not groups or not scheduling.workers_execute_plans:
+        return None
+    from vllm.config.hisparse import SPARSE_MLA_PAGE_TOKENS, sparse_mla_page_bytes
+
+    max_len = vllm_config.model_config.max_model_len
+    host_pages = hisparse.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
+    needed_pages = math.ceil(max_len / SPARSE_MLA_PAGE_TOKENS)
+    if host_pages < needed_pages:
+        raise ValueError(
+            f"hisparse_config.host_pool_gib={hisparse.host_pool_gib} holds {host_pages} pages "
+            f"but one request at max_model_len={max_len} needs {needed_pages}; raise "
+            "host_pool_gib or lower max_model_len"
+        )
+    return lambda: bytes_per_block * hisparse_device_blocks_per_request(vllm_config, groups)
+

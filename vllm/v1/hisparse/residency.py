@@ -6,7 +6,8 @@ of the sparse-MLA cache) of every running request lives, and the decisions that
 move pages: proactive device->host copies of completed pages, demotion of
 pages under pool pressure (leasing the request a hot buffer), and returning
 everything when a request ends. It decides; workers execute the copies it plans
-and report them back through `complete_copies`.
+and report them back through `complete_copies` (or `cancel_copies` when a copy
+did not happen).
 
 A page is the same 64-token block position in each of the k sparse-MLA KV cache
 groups (see kv_grouping), so it holds k device blocks, moved together. Page
@@ -15,13 +16,20 @@ pool), HOST (only in the host pool). A request's state is derived from its
 pages, never stored: FULL (no HOST page), MIXED (some HOST pages, others
 resident), NONE (no resident page outside its tail).
 
+The device blocks of a page belong to the request's block table in the KV cache
+manager: this module never frees them itself. It asks the allocator to drop a
+demoted page from the table (`drop_page`), and to hold an extra reference on
+the blocks of a copy still in flight when its request ends (`hold`), so a block
+the worker is still reading is never handed to another request. Hot-buffer
+leases are blocks this module takes from and gives back to the same pool.
+
 Invariants (asserted by `check`, held by the property tests):
 - a page leaves the GPU only after its host copy is durable;
-- every device block is owned once: by a page, a hot lease, an in-flight copy
-  of a finished request, or the allocator;
+- every device block reference is owned once: by a request's page (through
+  its block table), a hot lease, or an in-flight copy of an ended request;
 - host pool accounting never goes negative;
-- a finished or aborted request returns every block and host reference
-  (blocks still being copied return when their copy completes).
+- a finished or aborted request returns every lease and host reference
+  (held blocks of copies in flight return when the copy lands or is cancelled).
 
 It never touches tensors, the scheduler's queues or the worker.
 """
@@ -30,11 +38,16 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
+
+# Complete pages at the end of a request that stay on the device besides the
+# page it is writing: decode attention keeps picking recent tokens, so demoting
+# them would only turn into row misses on the next steps.
+RESIDENT_TAIL_PAGES = 1
 
 
 class PageState(enum.Enum):
@@ -50,13 +63,28 @@ class RequestState(enum.Enum):
 
 
 class BlockAllocator(Protocol):
-    """The shared device block pool, as HiSparse sees it."""
+    """The shared device block pool and the requests' block tables, as HiSparse sees them."""
 
     def num_free_blocks(self) -> int: ...
 
-    def take(self, num_blocks: int) -> list[int]: ...
+    def take(self, num_blocks: int) -> list[int]:
+        """New blocks for a hot lease (one reference each)."""
 
-    def give_back(self, block_ids: Sequence[int]) -> None: ...
+    def give_back(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference of each block (a lease or a `hold`)."""
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference of each block (a copy outlives its request)."""
+
+    def num_exclusive(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks only one reference holds (dropping it frees them)."""
+
+    def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
+        """Remove a demoted page from the request's block table and drop its references.
+
+        Returns how many blocks that returned to the free pool (a block another
+        request still shares stays allocated).
+        """
 
 
 @dataclass
@@ -79,21 +107,30 @@ class Page:
 class RequestResidency:
     request_id: str
     pages: list[Page] = field(default_factory=list)
-    num_complete_pages: int = 0  # pages whose tokens are all computed
+    num_complete_pages: int = 0  # pages whose tokens are all computed (and cached)
     hot_blocks: list[int] = field(default_factory=list)
-    block_hashes: list[Hashable] = field(default_factory=list)
+    # Page-level block hashes; may be a live view that grows with the request.
+    block_hashes: Sequence[Hashable] = ()
 
     @property
     def state(self) -> RequestState:
-        complete = self.pages[: self.num_complete_pages]
         if all(p.state is not PageState.HOST for p in self.pages):
             return RequestState.FULL
+        complete = self.pages[: self.num_complete_pages]
         if all(p.state is PageState.HOST for p in complete):
             return RequestState.NONE
         return RequestState.MIXED
 
     def count(self, state: PageState) -> int:
         return sum(p.state is state for p in self.pages)
+
+    @property
+    def num_demotable_pages(self) -> int:
+        """Leading pages that may leave the device: complete and not in the resident tail."""
+        return max(0, self.num_complete_pages - RESIDENT_TAIL_PAGES)
+
+    def page_hash(self, index: int) -> Hashable | None:
+        return self.block_hashes[index] if index < len(self.block_hashes) else None
 
 
 @dataclass(frozen=True)
@@ -108,11 +145,15 @@ class PageCopy:
 
 @dataclass
 class ResidencyCounters:
+    """Cumulative counts, for metrics and logs."""
+
     pages_copied_to_host: int = 0
+    copies_cancelled: int = 0
     pages_demoted: int = 0
     blocks_freed_under_pressure: int = 0
     hot_leases: int = 0
     host_prefix_pages_reused: int = 0
+    preemptions_avoided: int = 0
 
 
 class ResidencyManager:
@@ -138,37 +179,50 @@ class ResidencyManager:
         self.proactive_copy = proactive_copy
         self.max_copies_per_step = max_copies_per_step
         self.requests: dict[str, RequestResidency] = {}
-        # Copies still in flight for requests that already ended: (blocks, host page, hash).
+        # Copies still in flight for requests that already ended: (held blocks, host page, hash).
         self._orphans: dict[tuple[str, int], tuple[tuple[int, ...], int, Hashable | None]] = {}
         self.counters = ResidencyCounters()
 
     # -- request lifecycle ---------------------------------------------------
 
-    def add_request(self, request_id: str, block_hashes: Sequence[Hashable] = ()) -> int:
-        """Register a request; returns the prompt tokens its host-only prefix provides.
-
-        Leading complete blocks whose copies sit in the host pool become HOST pages
-        (the request starts NONE, with a hot buffer) instead of being recomputed.
-        """
+    def add_request(self, request_id: str, block_hashes: Sequence[Hashable] = ()) -> None:
+        """Register a request. `block_hashes` holds one hash per page (a live view is fine)."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already registered")
-        req = RequestResidency(request_id, block_hashes=list(block_hashes))
-        self.requests[request_id] = req
-        hits = []
-        for block_hash in block_hashes:
+        self.requests[request_id] = RequestResidency(request_id, block_hashes=block_hashes)
+
+    def host_prefix(self, block_hashes: Sequence[Hashable], start_page: int = 0) -> list[int]:
+        """Host pages holding durable copies of consecutive pages from `start_page` on."""
+        pages = []
+        for block_hash in block_hashes[start_page:]:
             page = self.host_pool.lookup(block_hash)
             if page is None:
                 break
-            hits.append(page)
-        if not hits or self.allocator.num_free_blocks() < self.hot_lease_blocks:
-            return 0
-        for page in hits:
+            pages.append(page)
+        return pages
+
+    def lease(self) -> list[int]:
+        """Take a hot buffer's blocks from the pool (for a request about to start NONE)."""
+        if self.allocator.num_free_blocks() < self.hot_lease_blocks:
+            return []
+        return self.allocator.take(self.hot_lease_blocks)
+
+    def append_host_pages(
+        self, request_id: str, host_pages: Sequence[int], hot_blocks: Sequence[int]
+    ) -> None:
+        """Pages the request takes from the host pool instead of recomputing them (it turns NONE)."""
+        req = self.requests[request_id]
+        if req.hot_blocks:
+            self.allocator.give_back(hot_blocks)
+        else:
+            if len(hot_blocks) != self.hot_lease_blocks:
+                raise ValueError(f"a hot lease is {self.hot_lease_blocks} blocks, got {len(hot_blocks)}")
+            req.hot_blocks = list(hot_blocks)
+            self.counters.hot_leases += 1
+        for page in host_pages:
             self.host_pool.retain(page)
             req.pages.append(Page(block_ids=None, host_page=page))
-        req.num_complete_pages = len(hits)
-        self._lease_hot_buffer(req)
-        self.counters.host_prefix_pages_reused += len(hits)
-        return len(hits) * self.block_size
+        self.counters.host_prefix_pages_reused += len(host_pages)
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[int]]) -> None:
         """New pages the KV cache manager gave the request, in order: k block ids each."""
@@ -177,26 +231,28 @@ class ResidencyManager:
                 raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
         self.requests[request_id].pages.extend(Page(block_ids=tuple(b)) for b in pages)
 
-    def advance(self, request_id: str, num_computed_tokens: int) -> None:
+    def advance(self, request_id: str, num_stable_tokens: int) -> None:
+        """Tokens computed and committed: pages wholly below this may be copied and demoted."""
         req = self.requests[request_id]
-        req.num_complete_pages = min(len(req.pages), num_computed_tokens // self.block_size)
+        req.num_complete_pages = min(len(req.pages), num_stable_tokens // self.block_size)
 
     def finish(self, request_id: str) -> None:
-        """Return every block and host reference of a finished, aborted or preempted request."""
-        req = self.requests.pop(request_id)
-        blocks = list(req.hot_blocks)
+        """Return the leases and host references of a finished, aborted or preempted request.
+
+        Its page blocks are the block table's to free; a page still being copied
+        keeps one held reference until its copy lands or is cancelled.
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
         for index, page in enumerate(req.pages):
             if page.copying:
-                # The worker still reads the block and writes the host page.
                 assert page.block_ids is not None and page.host_page is not None
-                block_hash = req.block_hashes[index] if index < len(req.block_hashes) else None
-                self._orphans[(request_id, index)] = (page.block_ids, page.host_page, block_hash)
-                continue
-            if page.block_ids is not None:
-                blocks.extend(page.block_ids)
-            if page.host_page is not None:
+                self.allocator.hold(page.block_ids)
+                self._orphans[(request_id, index)] = (page.block_ids, page.host_page, req.page_hash(index))
+            elif page.host_page is not None:
                 self.host_pool.release(page.host_page)
-        self.allocator.give_back(blocks)
+        self.allocator.give_back(req.hot_blocks)
 
     # -- copies --------------------------------------------------------------
 
@@ -204,8 +260,16 @@ class ResidencyManager:
         """Device->host copies for this step's post-forward launch, bounded per step.
 
         Pages marked for demotion go first, then (mode "always") every completed
-        page, then (proactive copy) completed pages of FULL requests.
+        page, then (proactive copy) completed pages of FULL requests. Mode
+        "always" also demotes, without pressure, every copied page that has left
+        the resident tail.
         """
+        if self.mode == "always":
+            for req in list(self.requests.values()):
+                settled = [i for i, p in enumerate(req.pages[: req.num_demotable_pages])
+                           if p.state is PageState.BOTH]
+                if settled:
+                    self._demote(req, settled)
         wanted: list[tuple[RequestResidency, int]] = []
         for req in self.requests.values():
             eager = self.mode == "always" or (self.proactive_copy and req.state is RequestState.FULL)
@@ -213,10 +277,11 @@ class ResidencyManager:
                 if page.state is PageState.DEVICE and not page.copying:
                     if page.demote_when_copied or eager:
                         wanted.append((req, index))
-        wanted.sort(key=lambda item: not item[0].pages[item[1]].demote_when_copied)
         if self.mode == "always":
             for req, index in wanted:
-                req.pages[index].demote_when_copied = True
+                if index < req.num_demotable_pages:
+                    req.pages[index].demote_when_copied = True
+        wanted.sort(key=lambda item: not item[0].pages[item[1]].demote_when_copied)
         copies: list[PageCopy] = []
         for req, index in wanted[: self.max_copies_per_step]:
             try:
@@ -229,9 +294,12 @@ class ResidencyManager:
             copies.append(PageCopy(req.request_id, index, page.block_ids, host_page))
         return copies
 
-    def complete_copies(self, copies: Sequence[PageCopy]) -> None:
-        """The worker reports these copies durable: DEVICE -> BOTH (or -> HOST if demoting)."""
-        freed: list[int] = []
+    def complete_copies(self, copies: Sequence[PageCopy]) -> int:
+        """The worker reports these copies durable: DEVICE -> BOTH (or -> HOST if demoting).
+
+        Returns the device blocks that returned to the free pool.
+        """
+        freed = 0
         demote: dict[str, list[int]] = {}
         for copy in copies:
             orphan = self._orphans.pop((copy.request_id, copy.page_index), None)
@@ -240,32 +308,60 @@ class ResidencyManager:
                 if block_hash is not None:
                     self.host_pool.publish(host_page, block_hash)
                 self.host_pool.release(host_page)
-                freed.extend(block_ids)
+                self.allocator.give_back(block_ids)
                 continue
             req = self.requests[copy.request_id]
             page = req.pages[copy.page_index]
             assert page.copying and page.block_ids == copy.block_ids and page.host_page == copy.host_page
             page.copying = False
             self.counters.pages_copied_to_host += 1
-            if copy.page_index < len(req.block_hashes):
-                self.host_pool.publish(copy.host_page, req.block_hashes[copy.page_index])
+            block_hash = req.page_hash(copy.page_index)
+            if block_hash is not None:
+                self.host_pool.publish(copy.host_page, block_hash)
             if page.demote_when_copied:
                 demote.setdefault(copy.request_id, []).append(copy.page_index)
         for request_id, indices in demote.items():
-            freed.extend(self._demote(self.requests[request_id], indices))
-        self.allocator.give_back(freed)
+            freed += self._demote(self.requests[request_id], indices)
+        return freed
+
+    def cancel_copies(self, copies: Sequence[PageCopy]) -> None:
+        """These copies did not happen: the pages stay DEVICE and their host slots return."""
+        for copy in copies:
+            self.counters.copies_cancelled += 1
+            orphan = self._orphans.pop((copy.request_id, copy.page_index), None)
+            if orphan is not None:
+                block_ids, host_page, _ = orphan
+                self.host_pool.release(host_page)
+                self.allocator.give_back(block_ids)
+                continue
+            page = self.requests[copy.request_id].pages[copy.page_index]
+            assert page.copying and page.host_page == copy.host_page
+            self.host_pool.release(copy.host_page)
+            page.host_page, page.copying = None, False
 
     # -- pressure ------------------------------------------------------------
 
-    def relieve_pressure(self, blocks_needed: int, protect: str | None = None) -> int:
+    def demotable_blocks(self) -> int:
+        """Blocks that pressure relief could free right now (BOTH pages), ignoring lease costs."""
+        return self.blocks_per_page * sum(
+            p.state is PageState.BOTH
+            for req in self.requests.values()
+            for p in req.pages[: req.num_demotable_pages]
+        )
+
+    def relieve_pressure(
+        self, blocks_needed: int, protect: str | None = None, protected_blocks: Set[int] = frozenset()
+    ) -> int:
         """Free device blocks by demoting pages, before the scheduler preempts anyone.
 
         Frees BOTH pages at once (their host copies are durable), cheapest first:
-        requests with the most BOTH pages, oldest pages first, never the tail
-        (incomplete pages), never `protect`'s pages. A request's first demotion
-        costs it a hot lease, so it is demoted only if that frees more than the
-        lease takes. If that is not enough, marks completed DEVICE pages for
-        copy-then-free in the next `plan_copies`. Returns blocks freed now.
+        requests with the most BOTH pages, oldest pages first. Never the tail
+        (the page being written and the last RESIDENT_TAIL_PAGES complete ones),
+        never `protect`'s pages, never a page holding one of `protected_blocks`.
+        A request's first demotion costs it a hot lease, so it is demoted only
+        if that frees more than the lease takes. If that is not enough, marks
+        completed DEVICE pages for copy-then-free in the next `plan_copies`.
+        Returns blocks freed now, net of leases taken.
         """
         freed_total = 0
         victims = sorted(
@@ -275,61 +371,67 @@ class ResidencyManager:
         for req in victims:
             if freed_total >= blocks_needed:
                 break
-            both = [i for i, p in enumerate(req.pages[: req.num_complete_pages])
-                    if p.state is PageState.BOTH]
+            both = [i for i, p in enumerate(req.pages[: req.num_demotable_pages])
+                    if p.state is PageState.BOTH
+                    and not (protected_blocks and protected_blocks.intersection(p.block_ids or ()))]
             lease_cost = 0 if req.hot_blocks else self.hot_lease_blocks
             pages_wanted = math.ceil((blocks_needed - freed_total + lease_cost) / self.blocks_per_page)
             take = both[: max(0, pages_wanted)]
             if len(take) * self.blocks_per_page <= lease_cost:
                 continue
-            blocks = self._demote(req, take)
-            self.allocator.give_back(blocks)
-            freed_total += len(blocks)
-        self.counters.blocks_freed_under_pressure += freed_total
+            freed_total += self._demote(req, take)
+        self.counters.blocks_freed_under_pressure += max(freed_total, 0)
         if freed_total < blocks_needed:
             self._mark_for_demotion(math.ceil((blocks_needed - freed_total) / self.blocks_per_page), protect)
         return freed_total
+
+    def relief_pending(self) -> bool:
+        """Whether pages marked for copy-then-free will free blocks once their copies land."""
+        can_copy = self.host_pool.num_available > 0
+        return any(
+            page.demote_when_copied and page.block_ids is not None and (page.copying or can_copy)
+            for req in self.requests.values()
+            for page in req.pages
+        )
 
     def _mark_for_demotion(self, num_pages: int, protect: str | None) -> None:
         for req in sorted(self.requests.values(), key=lambda r: -r.num_complete_pages):
             if req.request_id == protect:
                 continue
-            for page in req.pages[: req.num_complete_pages]:
+            for page in req.pages[: req.num_demotable_pages]:
                 if num_pages <= 0:
                     return
                 if page.state is PageState.DEVICE and not page.demote_when_copied:
                     page.demote_when_copied = True
                     num_pages -= 1
 
-    def _demote(self, req: RequestResidency, indices: Sequence[int]) -> list[int]:
-        """BOTH -> HOST for these pages; returns the device blocks to free (net of a new lease).
+    def _demote(self, req: RequestResidency, indices: Sequence[int]) -> int:
+        """BOTH -> HOST for these pages; returns blocks returned to the pool, net of a new lease.
 
-        A request's first demotion leases its hot buffer out of the freed blocks
-        (topped up from the pool); if even that cannot cover the lease, nothing
-        is demoted and the pages stay BOTH, still marked.
+        A request's first demotion leases its hot buffer from the blocks the
+        demotion frees (topped up from the pool); if even that cannot cover the
+        lease, nothing is demoted and the pages stay BOTH, still marked.
         """
-        freeable = len(indices) * self.blocks_per_page
-        if not req.hot_blocks and freeable + self.allocator.num_free_blocks() < self.hot_lease_blocks:
-            return []
-        blocks: list[int] = []
+        if not req.hot_blocks:
+            freeable = sum(
+                self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices
+            )
+            if freeable + self.allocator.num_free_blocks() < self.hot_lease_blocks:
+                return 0
+        freed = 0
         for index in indices:
             page = req.pages[index]
             assert page.state is PageState.BOTH, "a page leaves the GPU only once its copy is durable"
             assert page.block_ids is not None
-            blocks.extend(page.block_ids)
+            freed += self.allocator.drop_page(req.request_id, index, page.block_ids)
             page.block_ids = None
             page.demote_when_copied = False
         self.counters.pages_demoted += len(indices)
         if not req.hot_blocks:
-            req.hot_blocks, blocks = blocks[: self.hot_lease_blocks], blocks[self.hot_lease_blocks :]
-            if len(req.hot_blocks) < self.hot_lease_blocks:
-                req.hot_blocks += self.allocator.take(self.hot_lease_blocks - len(req.hot_blocks))
+            req.hot_blocks = self.allocator.take(self.hot_lease_blocks)
+            freed -= self.hot_lease_blocks
             self.counters.hot_leases += 1
-        return blocks
-
-    def _lease_hot_buffer(self, req: RequestResidency) -> None:
-        req.hot_blocks = self.allocator.take(self.hot_lease_blocks)
-        self.counters.hot_leases += 1
+        return freed
 
     # -- observation ---------------------------------------------------------
 
@@ -346,17 +448,16 @@ class ResidencyManager:
                 out[page.state] += 1
         return out
 
-    def device_blocks_held(self) -> list[int]:
-        held = [b for blocks, _, _ in self._orphans.values() for b in blocks]
-        for req in self.requests.values():
-            held += req.hot_blocks
-            held += [b for p in req.pages if p.block_ids is not None for b in p.block_ids]
-        return held
+    def leased_blocks(self) -> list[int]:
+        return [b for req in self.requests.values() for b in req.hot_blocks]
+
+    def held_blocks(self) -> list[int]:
+        return [b for blocks, _, _ in self._orphans.values() for b in blocks]
 
     def check(self) -> None:
         """Assert the invariants in the module docstring."""
-        held = self.device_blocks_held()
-        assert len(held) == len(set(held)), "a device block is owned twice"
+        leased = self.leased_blocks()
+        assert len(leased) == len(set(leased)), "a hot-lease block is leased twice"
         host_refs: dict[int, int] = {}
         for req in self.requests.values():
             assert len(req.hot_blocks) in (0, self.hot_lease_blocks)

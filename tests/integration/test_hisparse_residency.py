@@ -1,0 +1,331 @@
+"""Hybrid HiSparse residency in vLLM's real Scheduler and KVCacheManager.
+
+A six-layer tiny GLM-5 model (six sparse-MLA KV cache groups of one layer plus one
+indexer group of six; a page is 64 tokens and seven blocks, the indexer's one of
+them; a hot lease is one page of every sparse-MLA group, six blocks) scheduled by
+the patched scheduler, step by step, through ``tests/support/scheduler_harness.py``.
+Comparisons with and without HiSparse give both the same KV cache memory.
+The harness plays the worker's part of the residency protocol: it reports every
+copy of a step's plan as done. No model runs and no bytes move, so these tests
+check the plans and the bookkeeping; the worker side (copies, resolver, tokens)
+is checked end to end elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import tiny_models
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
+
+BLOCK = 64
+NULL_BLOCK_ID = 0
+MLA_GROUPS = 6
+MiB = 1 << 20
+SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", index_topk=32, num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_glm5_dir(SIX_LAYERS))
+
+
+def harness(model: str, memory_mib: float, attention_config=HISPARSE, **kwargs) -> SchedulerHarness:
+    return SchedulerHarness.create(
+        model=model, memory_bytes=int(memory_mib * MiB), attention_config=attention_config, **kwargs
+    )
+
+
+def hisparse_config(**fields) -> dict:
+    return {"hisparse_config": {**HISPARSE["hisparse_config"], **fields}}
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 3000 + 10 for i in range(length)]
+
+
+def check_block_accounting(h: SchedulerHarness) -> None:
+    """Every block reference is owned once: block tables, hot leases, held copies."""
+    expected: Counter[int] = Counter()
+    managers = h.kv_cache_manager.coordinator.single_type_managers
+    for manager in managers:
+        for blocks in manager.req_to_blocks.values():
+            expected.update(b.block_id for b in blocks if not b.is_null)
+    residency = h.hisparse.residency
+    expected.update(residency.leased_blocks())
+    expected.update(residency.held_blocks())
+    for block in h.block_pool.blocks:
+        if block.is_null:
+            continue
+        assert block.ref_cnt == expected[block.block_id], (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt}, owners {expected[block.block_id]}"
+        )
+    residency.check()
+
+
+def run_checked(h: SchedulerHarness, max_steps: int = 400):
+    observations = []
+    for _ in range(max_steps):
+        if not h.scheduler.has_requests():
+            return observations
+        observations.append(h.step())
+        check_block_accounting(h)
+    raise AssertionError(f"unfinished after {max_steps} steps: {h.unfinished()}")
+
+
+def states_seen(observations) -> set[str]:
+    return {state for o in observations for state in o.hisparse_states.values()}
+
+
+def test_no_pressure_keeps_every_request_full_and_copies_ahead(model):
+    h = harness(model, 64)
+    for i in range(3):
+        h.add_request(prompt(i, 300), max_tokens=40)
+    observations = run_checked(h)
+    stats = observations[-1].hisparse_stats
+    assert states_seen(observations) == {"full"}
+    assert stats["pages_demoted"] == 0 and stats["hot_leases"] == 0
+    assert h.total_preemptions == 0
+    # Proactive copies: every completed page went to the host while served from the GPU.
+    assert stats["pages_copied_to_host"] == 3 * (340 // BLOCK)
+    for o in observations:
+        assert not o.hisparse_plan.block_table_updates and not o.hisparse_plan.residency
+
+
+def test_pressure_turns_requests_mixed_instead_of_preempting_and_runs_more_of_them(model):
+    def run(attention_config):
+        h = harness(model, 20, attention_config)
+        for i in range(8):
+            h.add_request(prompt(i, 512), max_tokens=64)
+        observations = run_checked(h) if attention_config else h.run_until_done()
+        return h, observations
+
+    _, base_obs = run(None)
+    hisparse, obs = run(HISPARSE)
+    stats = obs[-1].hisparse_stats
+    assert "mixed" in states_seen(obs)
+    assert stats["pages_demoted"] > 0 and stats["hot_leases"] > 0
+    assert stats["host_pages_used"] == 0, "finished requests return their host references"
+    assert hisparse.total_preemptions == 0, "the host pool had room, so nobody was preempted"
+    assert stats["preemptions_avoided"] > 0
+    most_running = max(o.num_running for o in obs)
+    assert most_running == 8
+    assert most_running > max(o.num_running for o in base_obs)
+    mean = sum(o.num_running for o in obs) / len(obs)
+    base_mean = sum(o.num_running for o in base_obs) / len(base_obs)
+    assert mean > base_mean
+    assert len(obs) < len(base_obs)
+
+
+def test_demotion_plans_null_block_updates_and_a_residency_map_for_the_resolver(model):
+    h = harness(model, 20)
+    for i in range(8):
+        h.add_request(prompt(i, 512), max_tokens=64)
+    demoted_seen = False
+    for _ in range(400):
+        if not h.scheduler.has_requests():
+            break
+        observation = h.step()
+        plan = observation.hisparse_plan
+        assert plan.version == 1 and plan.mla_group_ids == tuple(range(MLA_GROUPS))
+        for update in plan.block_table_updates:
+            assert update.block_id == NULL_BLOCK_ID and update.group_id in plan.mla_group_ids
+        for entry in plan.residency:
+            req = h.hisparse.residency.requests.get(entry.request_id)
+            if req is None:
+                continue  # ended after the plan was made
+            demoted_seen = True
+            assert len(entry.hot_block_ids) == MLA_GROUPS
+            assert all(len(ids) == 1 for ids in entry.hot_block_ids)
+            for page_index, _host_page in entry.host_pages:
+                for group_id in plan.mla_group_ids:
+                    table = h.kv_cache_manager.coordinator.single_type_managers[group_id].req_to_blocks
+                    assert table[entry.request_id][page_index].is_null
+        for copy in plan.copies:
+            assert len(copy.block_ids) == MLA_GROUPS
+    assert demoted_seen
+
+
+def test_a_context_larger_than_the_gpu_pool_is_admitted_and_runs(model):
+    config = dict(max_model_len=1280, max_num_batched_tokens=256)
+    memory_mib = 5
+    with pytest.raises(ValueError, match="max seq len"):
+        harness(model, memory_mib, None, **config)  # without HiSparse the engine refuses to start
+
+    h = harness(model, memory_mib, **config)
+    pages_needed = -(-(1000 + 16) // BLOCK)
+    assert (MLA_GROUPS + 1) * pages_needed > h.kv_cache_config.num_blocks, "the context cannot fit"
+    rid = h.add_request(prompt(1, 1000), max_tokens=16).request_id
+    obs = run_checked(h)
+    assert h.requests[rid].num_output_tokens == 16
+    assert "mixed" in states_seen(obs)
+    assert obs[-1].hisparse_stats["pages_demoted"] > 0
+    assert h.total_preemptions == 0
+    assert sum(o.num_scheduled_tokens.get(rid, 0) for o in obs) == 1000 + 15, "nothing recomputed"
+
+
+def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
+    h = harness(model, 64)
+    shared = prompt(3, 640)
+    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
+    h.step()
+    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
+    run_checked(h)
+    assert h.hisparse.stats()["pages_copied_to_host"] == 10
+
+    # Churn evicts the first request's sparse-MLA blocks from the device prefix cache;
+    # its indexer blocks are still cached there.
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+
+    second = h.add_request(shared + prompt(5, 30), max_tokens=8)
+    obs = run_checked(h)
+    admitted = obs[0]
+    assert admitted.new_request_cached_tokens[second.request_id] == 640
+    assert admitted.num_scheduled_tokens[second.request_id] == 30, "the host-only prefix is not recomputed"
+    assert admitted.hisparse_states[second.request_id] == "none"
+    stats = obs[-1].hisparse_stats
+    assert stats["host_prefix_pages_reused"] == 10 and stats["hot_leases"] == 1
+    assert h.total_preemptions == 0
+    entry = next(e for e in admitted.hisparse_plan.residency if e.request_id == second.request_id)
+    assert [page for page, _ in entry.host_pages] == list(range(10))
+
+
+def test_without_a_device_copy_of_the_indexer_cache_the_prefix_is_recomputed(model):
+    h = harness(model, 64)
+    shared = prompt(3, 640)
+    h.add_request(shared + prompt(4, 20), max_tokens=8)
+    run_checked(h)
+    h.kv_cache_manager.reset_prefix_cache()
+    second = h.add_request(shared + prompt(5, 30), max_tokens=8)
+    obs = run_checked(h)
+    assert obs[0].new_request_cached_tokens[second.request_id] == 0
+    assert states_seen(obs) == {"full"}
+
+
+def test_always_mode_demotes_without_pressure(model):
+    h = harness(model, 64, hisparse_config(mode="always"))
+    for i in range(2):
+        h.add_request(prompt(i, 400), max_tokens=80)
+    hybrid = harness(model, 64)
+    for i in range(2):
+        hybrid.add_request(prompt(i, 400), max_tokens=80)
+    obs = run_checked(h)
+    hybrid_obs = run_checked(hybrid)
+    stats = obs[-1].hisparse_stats
+    # Every complete page but the resident tail's last one.
+    assert stats["pages_demoted"] == 2 * ((400 + 79) // BLOCK - 1)
+    assert "mixed" in states_seen(obs)
+    assert h.total_preemptions == 0
+    assert hybrid_obs[-1].hisparse_stats["pages_demoted"] == 0
+    # Demoted pages leave the device: more of the pool stays free than when resident.
+    assert min(o.num_free_blocks for o in obs) > min(o.num_free_blocks for o in hybrid_obs)
+
+
+def test_aborting_mid_copy_holds_the_blocks_until_the_copy_lands(model):
+    h = harness(model, 64)
+    request = h.add_request(prompt(2, 300), max_tokens=20)
+    scheduler_output = h.schedule()
+    copies = scheduler_output.hisparse_plan.copies
+    assert len(copies) == 4
+    from vllm.v1.request import RequestStatus
+
+    h.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    held = set(h.hisparse.residency.held_blocks())
+    assert held == {b for c in copies for b in c.block_ids}
+    assert all(h.block_pool.blocks[b].ref_cnt == 1 for b in held), "the worker still reads them"
+    check_block_accounting(h)
+    h.scheduler.update_from_output(scheduler_output, h.model_runner_output(scheduler_output))
+    assert not h.hisparse.residency.held_blocks()
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+    assert h.hisparse.stats()["host_pages_used"] == 0
+    check_block_accounting(h)
+
+
+def test_a_worker_that_runs_no_plans_leaves_every_page_resident(model):
+    h = harness(model, 20, runs_hisparse_plans=False)
+    for i in range(8):
+        h.add_request(prompt(i, 512), max_tokens=64)
+    obs = run_checked(h)
+    stats = obs[-1].hisparse_stats
+    assert stats["pages_copied_to_host"] == 0 and stats["pages_demoted"] == 0
+    assert stats["copies_cancelled"] > 0 and stats["host_pages_used"] == 0
+    assert not h.hisparse.issue_plans
+    assert states_seen(obs) == {"full"}
+    assert max(o.num_running for o in obs) < 8, "without the worker side nothing makes room"
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "always"])
+def test_preempting_a_mixed_request_keeps_its_host_pages_for_resumption(model, mode):
+    # A pool too small for four growing requests even with their pages demoted:
+    # preemption stays the last resort, and a preempted request resumes from the
+    # host copies of its pages instead of recomputing them.
+    h = harness(model, 4, hisparse_config(mode=mode), max_model_len=1024, max_num_batched_tokens=128)
+    for i in range(4):
+        h.add_request(prompt(i, 400), max_tokens=150)
+    obs = run_checked(h, max_steps=3000)
+    assert all(req.num_output_tokens == 150 for req in h.requests.values())
+    stats = obs[-1].hisparse_stats
+    assert h.total_preemptions > 0
+    assert stats["host_prefix_pages_reused"] > 0
+    assert stats["host_pages_used"] == 0 and stats["hot_leases"] > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    memory_mib=st.sampled_from([4, 6, 10, 24]),
+    mode=st.sampled_from(["hybrid", "always"]),
+    proactive=st.booleans(),
+    workload=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(40, 500), st.integers(1, 90), st.booleans()),
+        min_size=1,
+        max_size=6,
+    ),
+    abort_at=st.integers(0, 40),
+)
+def test_random_workloads_keep_every_block_owned_once_and_return_everything(
+    model, memory_mib, mode, proactive, workload, abort_at
+):
+    """Random requests (shared prefixes, lengths, aborts) under random pools, checked every step."""
+    from vllm.v1.request import RequestStatus
+
+    h = harness(
+        model,
+        memory_mib,
+        hisparse_config(mode=mode, proactive_copy=proactive),
+        max_model_len=1024,
+        max_num_batched_tokens=128,
+    )
+    to_abort = []
+    for i, (prefix, length, max_tokens, abort) in enumerate(workload):
+        request = h.add_request(prompt(100 + prefix, 256) + prompt(i, length), max_tokens=max_tokens)
+        if abort:
+            to_abort.append(request.request_id)
+    for step in range(3000):
+        if not h.scheduler.has_requests():
+            break
+        if step == abort_at and to_abort:
+            h.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
+        h.step()
+        check_block_accounting(h)
+    assert not h.scheduler.has_requests()
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1, "every block returns"
+    residency = h.hisparse.residency
+    assert not residency.requests and not residency.held_blocks()
+    assert residency.host_pool.num_referenced == 0, "every host reference returns"
+
+
+def test_without_proactive_copies_pressure_waits_for_the_copies_instead_of_preempting(model):
+    # Nothing is on the host when the pool runs short: relief marks pages for
+    # copy-then-free, and the scheduler waits a step for the copies to land.
+    h = harness(
+        model, 4, hisparse_config(proactive_copy=False), max_model_len=1024, max_num_batched_tokens=128
+    )
+    rid = h.add_request(prompt(100, 256) + prompt(0, 104), max_tokens=90).request_id
+    obs = run_checked(h)
+    assert h.requests[rid].num_output_tokens == 90
+    assert h.total_preemptions == 0
+    assert any(not o.num_scheduled_tokens and o.hisparse_plan.copies for o in obs), "a copy-only step"
+    assert obs[-1].hisparse_stats["pages_demoted"] > 0

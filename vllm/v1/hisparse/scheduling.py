@@ -1,0 +1,403 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hybrid HiSparse in the scheduler: residency wired to vLLM's KV cache manager.
+
+Owns the glue between the residency state machine (`residency.py`) and the
+scheduler process:
+- the view of the KV cache manager's block pool and block tables that residency
+  works through (`KVCacheBlockAccess`): hot leases are ordinary pool blocks, a
+  demoted page's blocks leave the request's table for the null block;
+- pressure relief before preemption, called by `KVCacheManager.allocate_slots`
+  when the pool cannot satisfy an allocation (new tokens, a new request);
+- prefix hits from the host pool: a waiting request whose prefix pages live
+  only in the host pool (its indexer blocks still cached on the device) takes
+  them as placeholders plus a hot lease and starts NONE instead of recomputing;
+- the step plan that crosses to the workers in `SchedulerOutput.hisparse_plan`
+  (copies to run after the forward, block-table point updates, the residency
+  map of every request that is not FULL), and the workers' copy reports from
+  `ModelRunnerOutput.hisparse_copied`.
+
+Workers that do not execute plans report nothing; their step's copies are
+cancelled and planning stops, so no page ever leaves the device without a
+durable host copy. It never touches tensors, the worker or the scheduler's
+queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.config.hisparse import sparse_mla_page_bytes
+from vllm.logger import init_logger
+from vllm.v1.hisparse.host_pool import HostPagePool
+from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
+from vllm.v1.hisparse.residency import PageCopy, PageState, RequestState, ResidencyManager
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+# Bump when a field of the plan changes meaning; workers refuse other versions.
+HISPARSE_PLAN_VERSION = 1
+
+# Whether this build's workers execute residency plans. Until they do, start-up
+# sizes the KV cache for full residency and admission keeps upstream's
+# whole-context rule, so a context only demotion could serve is refused at
+# start-up instead of being preempted forever. Whoever plays the worker side
+# (a worker implementation, or a test harness reporting copies) turns it on.
+workers_execute_plans = False
+
+
+@dataclass(frozen=True)
+class BlockTableUpdate:
+    """Set one entry of a request's block table on the worker (tables are otherwise append-only)."""
+
+    request_id: str
+    group_id: int
+    position: int  # block index in the request's table for that group
+    block_id: int  # the null block for a demoted page
+
+
+@dataclass(frozen=True)
+class RequestResidencyMap:
+    """What the resolver needs for one request that is not FULL."""
+
+    request_id: str
+    host_pages: tuple[tuple[int, int], ...]  # (page index, host page) of every HOST page
+    hot_block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, its hot-buffer blocks
+
+
+@dataclass(frozen=True)
+class HiSparseStepPlan:
+    """One step's residency work for the workers. Plain ints, strings and tuples."""
+
+    version: int
+    mla_group_ids: tuple[int, ...]
+    # Device -> host, all sparse-MLA layers of each page, after this step's forward.
+    copies: tuple[PageCopy, ...]
+    # Applied before this step's forward, in order.
+    block_table_updates: tuple[BlockTableUpdate, ...]
+    # Only requests with HOST pages; empty means every request is FULL (the fast path).
+    residency: tuple[RequestResidencyMap, ...]
+
+
+class _PageHashes(Sequence):
+    """A request's block hashes, read live (they grow as it decodes)."""
+
+    def __init__(self, request: Request) -> None:
+        self._hashes = request.block_hashes
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._hashes[index]
+
+
+class KVCacheBlockAccess:
+    """The KV cache manager's block pool and block tables, as residency sees them."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int]) -> None:
+        self.block_pool = kv_cache_manager.block_pool
+        self.managers = [kv_cache_manager.coordinator.single_type_managers[g] for g in mla_group_ids]
+        self.mla_group_ids = tuple(mla_group_ids)
+        self.updates: list[BlockTableUpdate] = []
+
+    def _blocks(self, block_ids: Sequence[int]):
+        return [self.block_pool.blocks[b] for b in block_ids]
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def take(self, num_blocks: int) -> list[int]:
+        return [b.block_id for b in self.block_pool.get_new_blocks(num_blocks)]
+
+    def give_back(self, block_ids: Sequence[int]) -> None:
+        self.block_pool.free_blocks(self._blocks(block_ids))
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        blocks = self._blocks(block_ids)
+        assert all(b.ref_cnt > 0 for b in blocks), "only a referenced block can be held"
+        self.block_pool.touch(blocks)
+
+    def num_exclusive(self, block_ids: Sequence[int]) -> int:
+        return sum(b.ref_cnt == 1 for b in self._blocks(block_ids))
+
+    def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
+        null_block = self.block_pool.null_block
+        dropped = []
+        for manager, group_id, block_id in zip(self.managers, self.mla_group_ids, block_ids, strict=True):
+            table = manager.req_to_blocks[request_id]
+            block = table[page_index]
+            assert block.block_id == block_id, (
+                f"{request_id} page {page_index}: table holds block {block.block_id}, "
+                f"residency {block_id}"
+            )
+            table[page_index] = null_block
+            dropped.append(block)
+            self.updates.append(BlockTableUpdate(request_id, group_id, page_index, null_block.block_id))
+        free_before = self.block_pool.get_num_free_blocks()
+        self.block_pool.free_blocks(dropped)
+        return self.block_pool.get_num_free_blocks() - free_before
+
+
+class HiSparseScheduling:
+    """Hybrid HiSparse's scheduler-side state for one Scheduler."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        vllm_config = scheduler.vllm_config
+        config = vllm_config.attention_config.hisparse_config
+        assert config is not None and config.device_buffer_size is not None
+        self.kv_cache_manager = scheduler.kv_cache_manager
+        groups = self.kv_cache_manager.kv_cache_config.kv_cache_groups
+        self.mla_group_ids = tuple(
+            i
+            for i, g in enumerate(groups)
+            if not all(n.endswith(INDEXER_LAYER_SUFFIX) for n in g.layer_names)
+        )
+        self.other_group_ids = tuple(i for i in range(len(groups)) if i not in self.mla_group_ids)
+        if not self.mla_group_ids or not self.other_group_ids:
+            raise ValueError(
+                "Hybrid HiSparse needs separate sparse-MLA and indexer KV cache groups; got "
+                f"{[list(g.layer_names)[:2] for g in groups]}"
+            )
+        self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
+        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
+        num_host_pages = config.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
+        self.residency = ResidencyManager(
+            self.blocks,
+            HostPagePool(num_host_pages),
+            self.block_size,
+            config.device_buffer_size,
+            blocks_per_page=len(self.mla_group_ids),
+            mode=config.mode,
+            proactive_copy=config.proactive_copy,
+        )
+        self.enable_caching = self.kv_cache_manager.enable_caching
+        # Host prefix hits need page-sized hashes (the hash block is the page).
+        self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
+        self.issue_plans = True
+        self._in_flight: dict[tuple[str, int], PageCopy] = {}
+        # Host prefix hits found this step, claimed when the request is scheduled.
+        self._pending_hits: dict[str, tuple[int, list[int], list[int]]] = {}
+        self.kv_cache_manager.pressure_relief = self.relieve_pressure
+        if workers_execute_plans:
+            # Admission by tail + lease rather than by whole context: relief makes
+            # room for the rest as it is computed.
+            scheduler.scheduler_reserve_full_isl = False
+        logger.info(
+            "Hybrid HiSparse: %d host pages of %d bytes, hot lease %d blocks, mode=%s, "
+            "sparse-MLA groups %s",
+            num_host_pages,
+            sparse_mla_page_bytes(vllm_config),
+            self.residency.hot_lease_blocks,
+            config.mode,
+            list(self.mla_group_ids),
+        )
+
+    # -- hooks called by the scheduler and the KV cache manager ---------------
+
+    def relieve_pressure(self, request: Request, num_blocks: int, new_computed_blocks: Any = ()) -> bool:
+        """Free `num_blocks` by demotion before the scheduler preempts; True if it did."""
+        # Blocks the request is about to take from the prefix cache must stay put:
+        # they are already counted as allocations if they sit in the free queue.
+        protected = {b.block_id for group in new_computed_blocks for b in group}
+        freed = self.residency.relieve_pressure(num_blocks, protected_blocks=protected)
+        if freed >= num_blocks:
+            self.residency.counters.preemptions_avoided += 1
+            return True
+        return False
+
+    def defer_preemption(self, request: Request) -> bool:
+        """True when copies about to run will make room: wait a step instead of preempting.
+
+        Relief marks resident pages for copy-then-free when no page is durable on
+        the host yet; their copies run after this step, so preempting now would
+        throw away work the next step can keep.
+        """
+        if not self.issue_plans or not self.residency.relief_pending():
+            return False
+        self.residency.counters.preemptions_avoided += 1
+        return True
+
+    def extend_prefix_hit(
+        self, request: Request, blocks: KVCacheBlocks, num_tokens: int
+    ) -> tuple[KVCacheBlocks, int]:
+        """Extend a device prefix hit with pages only the host pool still holds."""
+        self._return_pending_lease(request.request_id)
+        if not self.host_prefix_hits or num_tokens % self.block_size:
+            return blocks, num_tokens
+        start = num_tokens // self.block_size
+        max_pages = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_pages]
+        host_pages = self.residency.host_prefix(hashes, start)
+        if not host_pages:
+            return blocks, num_tokens
+        block_pool = self.kv_cache_manager.block_pool
+        other: list[list] = []
+        for block_hash in hashes[start : start + len(host_pages)]:
+            cached = block_pool.get_cached_block(block_hash, list(self.other_group_ids))
+            if cached is None:
+                break  # the indexer K cache of this page is gone: recompute from here
+            other.append(cached)
+        host_pages = host_pages[: len(other)]
+        if not host_pages:
+            return blocks, num_tokens
+        # Taking the lease may evict cached free blocks: pin the hit's blocks meanwhile.
+        pinned = [b for group in blocks.blocks for b in group] + [b for page in other for b in page]
+        block_pool.touch(pinned)
+        lease = self.residency.lease()
+        block_pool.free_blocks(pinned)
+        if not lease:
+            return blocks, num_tokens
+        self._pending_hits[request.request_id] = (start, host_pages, lease)
+        extended = [list(group) for group in blocks.blocks]
+        for g in self.mla_group_ids:
+            extended[g].extend([block_pool.null_block] * len(host_pages))
+        for i, g in enumerate(self.other_group_ids):
+            extended[g].extend(cached[i] for cached in other)
+        new_blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
+        return new_blocks, num_tokens + len(host_pages) * self.block_size
+
+    def release(self, request: Request) -> None:
+        """The request finished, was aborted or preempted: before its blocks are freed."""
+        self._return_pending_lease(request.request_id)
+        self.residency.finish(request.request_id)
+
+    def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
+        """After schedule(): register new pages, plan this step's copies, attach the plan."""
+        for request_id in list(self._pending_hits):
+            if request_id not in scheduler_output.num_scheduled_tokens:
+                self._return_pending_lease(request_id)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            self._sync_request(scheduler.requests[request_id])
+        copies: list[PageCopy] = []
+        if self.issue_plans:
+            # Also in a step that schedules no token: the workers run every step's plan.
+            copies = self.residency.plan_copies()
+            for copy in copies:
+                self._in_flight[(copy.request_id, copy.page_index)] = copy
+        updates, self.blocks.updates = self.blocks.updates, []
+        scheduler_output.hisparse_plan = HiSparseStepPlan(
+            version=HISPARSE_PLAN_VERSION,
+            mla_group_ids=self.mla_group_ids,
+            copies=tuple(copies),
+            block_table_updates=tuple(updates),
+            residency=self._residency_maps(),
+        )
+
+    def on_model_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Mark the step's reported copies durable; cancel the ones not reported."""
+        plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
+        if plan is None or not plan.copies:
+            return
+        reported = getattr(output, "hisparse_copied", None)
+        done_keys = set(map(tuple, reported or ()))
+        done, failed = [], []
+        for copy in plan.copies:
+            key = (copy.request_id, copy.page_index)
+            if self._in_flight.pop(key, None) is None:
+                continue
+            (done if key in done_keys else failed).append(copy)
+        self.residency.cancel_copies(failed)
+        self.residency.complete_copies(done)
+        if reported is None and self.issue_plans:
+            self.issue_plans = False
+            logger.warning(
+                "Hybrid HiSparse: the workers did not execute the step's residency plan; "
+                "no further pages are copied or demoted and the sparse-MLA KV cache stays "
+                "resident on the device."
+            )
+
+    # -- state ---------------------------------------------------------------
+
+    def _return_pending_lease(self, request_id: str) -> None:
+        pending = self._pending_hits.pop(request_id, None)
+        if pending is not None:
+            self.residency.allocator.give_back(pending[2])
+
+    def _sync_request(self, request: Request) -> None:
+        """Register the request's pages the KV cache manager added since the last step."""
+        request_id = request.request_id
+        residency = self.residency
+        if request_id not in residency.requests:
+            residency.add_request(request_id, _PageHashes(request) if self.enable_caching else ())
+        req = residency.requests[request_id]
+        tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
+        pending = self._pending_hits.pop(request_id, None)
+        position = len(req.pages)
+        while position < len(tables[0]):
+            if pending is not None and position == pending[0]:
+                start, host_pages, lease = pending
+                residency.append_host_pages(request_id, host_pages, lease)
+                position = start + len(host_pages)
+                pending = None
+                continue
+            block_ids = tuple(t[position].block_id for t in tables)
+            residency.append_pages(request_id, [block_ids])
+            position += 1
+        if pending is not None:  # the scheduler did not take the hit after all
+            residency.allocator.give_back(pending[2])
+        stable = min(request.num_computed_tokens, request.num_tokens)
+        if self.enable_caching:
+            cached = min(m.num_cached_block.get(request_id, 0) for m in self.blocks.managers)
+            stable = min(stable, cached * self.block_size)
+        residency.advance(request_id, stable)
+
+    def _residency_maps(self) -> tuple[RequestResidencyMap, ...]:
+        maps = []
+        k = len(self.mla_group_ids)
+        for req in self.residency.requests.values():
+            if req.state is RequestState.FULL:
+                continue
+            maps.append(
+                RequestResidencyMap(
+                    request_id=req.request_id,
+                    host_pages=tuple(
+                        (i, p.host_page) for i, p in enumerate(req.pages)
+                        if p.state is PageState.HOST and p.host_page is not None
+                    ),
+                    hot_block_ids=tuple(tuple(req.hot_blocks[g::k]) for g in range(k)),
+                )
+            )
+        return tuple(maps)
+
+    # -- observation -----------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: requests and pages per state, host pool, copies, demotions."""
+        out: dict[str, int] = {}
+        for state, n in self.residency.requests_by_state().items():
+            out[f"requests_{state.value}"] = n
+        for page_state, n in self.residency.pages_by_state().items():
+            out[f"pages_{page_state.value}"] = n
+        pool = self.residency.host_pool
+        out["host_pages_used"] = pool.num_referenced
+        out["host_pages_free"] = pool.num_available
+        out["host_pages_total"] = pool.num_pages
+        counters = self.residency.counters
+        out.update(
+            pages_copied_to_host=counters.pages_copied_to_host,
+            copies_cancelled=counters.copies_cancelled,
+            pages_demoted=counters.pages_demoted,
+            hot_leases=counters.hot_leases,
+            host_prefix_pages_reused=counters.host_prefix_pages_reused,
+            preemptions_avoided=counters.preemptions_avoided,
+            # Rows are loaded host -> device by the worker's resolver, not planned here.
+            copies_in_flight=len(self._in_flight),
+        )
+        return out
+
+
+def attach_hisparse(scheduler: Scheduler) -> HiSparseScheduling | None:
+    """HiSparse's scheduler state when `hisparse_config` is set, else None."""
+    if scheduler.vllm_config.attention_config.hisparse_config is None:
+        return None
+    return HiSparseScheduling(scheduler)
+
