@@ -329,3 +329,19 @@ def test_without_proactive_copies_pressure_waits_for_the_copies_instead_of_preem
     assert h.total_preemptions == 0
     assert any(not o.num_scheduled_tokens and o.hisparse_plan.copies for o in obs), "a copy-only step"
     assert obs[-1].hisparse_stats["pages_demoted"] > 0
+
+
+def test_the_step_plan_pickles_to_an_equal_plan_of_plain_values(model):
+    import pickle
+
+    h = harness(model, 20)
+    for i in range(8):
+        h.add_request(prompt(i, 512), max_tokens=64)
+    plans = [h.step().hisparse_plan for _ in range(6)]
+    busiest = max(plans, key=lambda p: len(p.copies) + len(p.block_table_updates) + len(p.residency))
+    assert busiest.copies and busiest.block_table_updates and busiest.residency
+    data = pickle.dumps(busiest)
+    assert pickle.loads(data) == busiest
+    # Plain values only: nothing of the scheduler (blocks, requests) rides along.
+    entries = len(busiest.copies) + len(busiest.block_table_updates) + len(busiest.residency)
+    assert len(data) < 400 * entries
