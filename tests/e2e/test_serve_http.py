@@ -146,7 +146,7 @@ def server(sparse_glm5_dir) -> Iterator[Server]:
 
 def test_startup_reports_the_hisparse_config(server):
     log = "".join(server.lines)
-    assert "workers do not execute HiSparse residency plans yet" in log
+    assert "Hybrid HiSparse: on (mode=hybrid" in log
     assert "device_buffer_size=64" in log  # 2 x index_topk=32
 
 

@@ -310,7 +310,7 @@ class SchedulerHarness:
             include_finished_set=False,
             log_stats=True,
         )
-        scheduling.workers_execute_plans = False
+        scheduling.workers_execute_plans = None
         self.block_hasher = make_block_hasher(vllm_config, self.hash_block_size)
         self.sampled_token = sampled_token
         self.runs_hisparse_plans = runs_hisparse_plans

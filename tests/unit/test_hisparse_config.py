@@ -100,14 +100,14 @@ def engine_config(model_dir: Path, hisparse: dict):
 
 class _Records(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
 
 
-def test_startup_resolves_default_buffer_and_says_residency_is_not_available(tiny_glm_dsa_dir):
+def test_startup_resolves_default_buffer_and_says_hisparse_is_on(tiny_glm_dsa_dir):
     records = _Records()
     logger = logging.getLogger("vllm.config.hisparse")
     logger.addHandler(records)
@@ -117,7 +117,7 @@ def test_startup_resolves_default_buffer_and_says_residency_is_not_available(tin
         logger.removeHandler(records)
     assert config.attention_config.hisparse_config.device_buffer_size == 2 * 32
     assert config.cache_config.kv_cache_layout == "BLHNC", "groups of different page sizes overlay blocks"
-    expected = "workers do not execute HiSparse residency plans yet"
+    expected = "Hybrid HiSparse: on (mode=hybrid, host_pool_gib=1.0, device_buffer_size=64)"
     assert any(expected in m for m in records.messages), records.messages
 
 
@@ -160,3 +160,16 @@ def test_vllm_serve_rejects_a_bad_hisparse_config_before_loading_anything():
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "hisparse_config.host_pool_gib must be > 0 (got -1" in done.stderr
+
+
+def test_startup_refuses_speculative_decoding_with_a_clear_reason(tiny_glm_dsa_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(tiny_glm_dsa_dir),
+        max_model_len=1024,
+        attention_config={"hisparse_config": {"host_pool_gib": 1}},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+    )
+    with pytest.raises(ValueError, match="does not support speculative decoding"):
+        args.create_engine_config()

@@ -121,12 +121,15 @@ def test_pressure_demotes_copied_pages_and_leases_a_hot_buffer():
     grow(mgr, pool, "a", 6, 6 * BLOCK - 1)
     mgr.complete_copies(mgr.plan_copies())
     free_before = pool.num_free_blocks()
-    freed = mgr.relieve_pressure(3, protect="b")
-    assert freed == 3 and pool.num_free_blocks() == free_before + 3
+    freed = mgr.relieve_pressure(2, protect="b")
+    assert freed == 2 and pool.num_free_blocks() == free_before + 2
     req = mgr.requests["a"]
     assert req.state is RequestState.MIXED and len(req.hot_blocks) == 1
-    assert [p.state for p in req.pages][:4] == [PageState.HOST] * 4, "oldest pages go first"
+    assert [p.state for p in req.pages][:4] == [PageState.HOST] * 3 + [PageState.BOTH], "oldest first"
     assert req.pages[-1].state is PageState.DEVICE, "the tail never leaves"
+    mgr.relieve_pressure(8)
+    assert req.state is RequestState.NONE, "demoted down to its tail"
+    assert [p.state for p in req.pages][4:] == [PageState.BOTH, PageState.DEVICE], "the tail stays"
     mgr.check()
 
 
@@ -167,7 +170,7 @@ def test_always_mode_demotes_without_pressure():
     mgr.complete_copies(mgr.plan_copies())
     states = [p.state for p in mgr.requests["a"].pages]
     assert states == [PageState.HOST] * 2 + [PageState.BOTH, PageState.DEVICE], "the tail stays"
-    assert mgr.requests["a"].state is RequestState.MIXED
+    assert mgr.requests["a"].state is RequestState.NONE
     grow(mgr, pool, "a", 1, 5 * BLOCK - 1)  # the tail moves on: its old last page can go
     mgr.complete_copies(mgr.plan_copies())
     assert [p.state for p in mgr.requests["a"].pages][:3] == [PageState.HOST] * 3

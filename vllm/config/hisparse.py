@@ -172,13 +172,30 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
 
     vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
-    logger.warning(
-        "Hybrid HiSparse: hisparse_config is valid (mode=%s, host_pool_gib=%s, "
-        "device_buffer_size=%d), the KV cache is grouped for it and the scheduler plans "
-        "residency, but this build's workers do not execute HiSparse residency plans yet: "
-        "no host pool is allocated and the sparse-MLA KV cache stays fully resident on "
-        "the device.",
-        hisparse.mode,
-        hisparse.host_pool_gib,
-        hisparse.device_buffer_size,
-    )
+    if vllm_config.speculative_config is not None:
+        raise ValueError(
+            "hisparse_config does not support speculative decoding in this build: the "
+            "drafter's (MTP) sparse-MLA layer is not wired to the HiSparse resolver, so its "
+            "reads of demoted pages would be wrong. Remove --speculative-config or "
+            "hisparse_config"
+        )
+    from vllm.v1.hisparse.scheduling import plans_executable
+
+    if plans_executable():
+        logger.info(
+            "Hybrid HiSparse: on (mode=%s, host_pool_gib=%s, device_buffer_size=%d).",
+            hisparse.mode,
+            hisparse.host_pool_gib,
+            hisparse.device_buffer_size,
+        )
+    else:
+        logger.warning(
+            "Hybrid HiSparse: hisparse_config is valid (mode=%s, host_pool_gib=%s, "
+            "device_buffer_size=%d) and the KV cache is grouped for it, but the sparse-MLA "
+            "attention backends of this platform do not resolve through HiSparse in this "
+            "build: no host pool is allocated and the sparse-MLA KV cache stays fully "
+            "resident on the device.",
+            hisparse.mode,
+            hisparse.host_pool_gib,
+            hisparse.device_buffer_size,
+        )

@@ -133,7 +133,7 @@ def hisparse_max_memory_usage(
     from vllm.v1.hisparse import scheduling
 
     hisparse = vllm_config.attention_config.hisparse_config
-    if hisparse is None or not groups or not scheduling.workers_execute_plans:
+    if hisparse is None or not groups or not scheduling.plans_executable():
         return None
     from vllm.config.hisparse import SPARSE_MLA_PAGE_TOKENS, sparse_mla_page_bytes
 

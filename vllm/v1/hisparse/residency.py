@@ -13,8 +13,11 @@ A page is the same 64-token block position in each of the k sparse-MLA KV cache
 groups (see kv_grouping), so it holds k device blocks, moved together. Page
 states: DEVICE (only on the GPU), BOTH (on the GPU and durably in the host
 pool), HOST (only in the host pool). A request's state is derived from its
-pages, never stored: FULL (no HOST page), MIXED (some HOST pages, others
-resident), NONE (no resident page outside its tail).
+pages, never stored: FULL (no HOST page), MIXED (some HOST pages, some
+resident pages outside its tail), NONE (HOST pages and no resident page outside
+its tail: a request started from a host-only prefix, or one demoted to its tail).
+The tail is the page being written plus the last RESIDENT_TAIL_PAGES complete
+pages; policy never demotes it.
 
 The device blocks of a page belong to the request's block table in the KV cache
 manager: this module never frees them itself. It asks the allocator to drop a
@@ -116,8 +119,7 @@ class RequestResidency:
     def state(self) -> RequestState:
         if all(p.state is not PageState.HOST for p in self.pages):
             return RequestState.FULL
-        complete = self.pages[: self.num_complete_pages]
-        if all(p.state is PageState.HOST for p in complete):
+        if all(p.state is PageState.HOST for p in self.pages[: self.num_demotable_pages]):
             return RequestState.NONE
         return RequestState.MIXED
 
@@ -213,7 +215,7 @@ class ResidencyManager:
         """Pages the request takes from the host pool instead of recomputing them (it turns NONE)."""
         req = self.requests[request_id]
         if req.hot_blocks:
-            self.allocator.give_back(hot_blocks)
+            self.allocator.give_back(hot_blocks)  # a lease it already holds serves these too
         else:
             if len(hot_blocks) != self.hot_lease_blocks:
                 raise ValueError(f"a hot lease is {self.hot_lease_blocks} blocks, got {len(hot_blocks)}")

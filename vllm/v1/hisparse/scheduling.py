@@ -46,12 +46,25 @@ logger = init_logger(__name__)
 # Bump when a field of the plan changes meaning; workers refuse other versions.
 HISPARSE_PLAN_VERSION = 1
 
-# Whether this build's workers execute residency plans. Until they do, start-up
-# sizes the KV cache for full residency and admission keeps upstream's
-# whole-context rule, so a context only demotion could serve is refused at
-# start-up instead of being preempted forever. Whoever plays the worker side
-# (a worker implementation, or a test harness reporting copies) turns it on.
-workers_execute_plans = False
+# Whether the workers execute residency plans, when set (a test harness that
+# plays the worker sets it); None decides by platform, see plans_executable().
+workers_execute_plans: bool | None = None
+
+
+def plans_executable() -> bool:
+    """Whether this build's workers execute residency plans on this platform.
+
+    The CPU sparse-MLA backend resolves through HiSparse; the CUDA sparse-MLA
+    backends of this build do not yet. Where plans cannot run, start-up sizes
+    the KV cache for full residency and admission keeps upstream's
+    whole-context rule, so a context only demotion could serve is refused at
+    start-up instead of being preempted forever.
+    """
+    if workers_execute_plans is not None:
+        return workers_execute_plans
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 @dataclass(frozen=True)
@@ -185,9 +198,12 @@ class HiSparseScheduling:
         self.issue_plans = True
         self._in_flight: dict[tuple[str, int], PageCopy] = {}
         # Host prefix hits found this step, claimed when the request is scheduled.
-        self._pending_hits: dict[str, tuple[int, list[int], list[int]]] = {}
+        self._pending_hits: dict[str, tuple[dict[int, int], list[int]]] = {}
+        # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
+        self.request_steps = dict.fromkeys(RequestState, 0)
+        self.rows_loaded = 0
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
-        if workers_execute_plans:
+        if plans_executable():
             # Admission by tail + lease rather than by whole context: relief makes
             # room for the rest as it is computed.
             scheduler.scheduler_reserve_full_isl = False
@@ -229,41 +245,54 @@ class HiSparseScheduling:
     def extend_prefix_hit(
         self, request: Request, blocks: KVCacheBlocks, num_tokens: int
     ) -> tuple[KVCacheBlocks, int]:
-        """Extend a device prefix hit with pages only the host pool still holds."""
+        """Extend a device prefix hit with pages the host pool still holds.
+
+        Page by page past the device hit: the indexer blocks must still be cached
+        on the device (the indexer scores every token); the sparse-MLA page is
+        taken from the device prefix cache when every group still has it, else
+        from the host pool as a null placeholder. The first page neither holds
+        ends the hit. Host pages cost the request a hot lease, taken here.
+        """
         self._return_pending_lease(request.request_id)
         if not self.host_prefix_hits or num_tokens % self.block_size:
             return blocks, num_tokens
+        block_pool = self.kv_cache_manager.block_pool
         start = num_tokens // self.block_size
         max_pages = (request.num_tokens - 1) // self.block_size
-        hashes = request.block_hashes[:max_pages]
-        host_pages = self.residency.host_prefix(hashes, start)
-        if not host_pages:
-            return blocks, num_tokens
-        block_pool = self.kv_cache_manager.block_pool
-        other: list[list] = []
-        for block_hash in hashes[start : start + len(host_pages)]:
-            cached = block_pool.get_cached_block(block_hash, list(self.other_group_ids))
-            if cached is None:
+        mla_ids, other_ids = list(self.mla_group_ids), list(self.other_group_ids)
+        pages: list[tuple[list | None, list]] = []  # (sparse-MLA blocks or None if host, others)
+        host_pages: dict[int, int] = {}
+        for position in range(start, max_pages):
+            block_hash = request.block_hashes[position]
+            other = block_pool.get_cached_block(block_hash, other_ids)
+            if other is None:
                 break  # the indexer K cache of this page is gone: recompute from here
-            other.append(cached)
-        host_pages = host_pages[: len(other)]
+            mla = block_pool.get_cached_block(block_hash, mla_ids)
+            if mla is None:
+                host_page = self.residency.host_pool.lookup(block_hash)
+                if host_page is None:
+                    break
+                host_pages[position] = host_page
+            pages.append((mla, other))
         if not host_pages:
             return blocks, num_tokens
         # Taking the lease may evict cached free blocks: pin the hit's blocks meanwhile.
-        pinned = [b for group in blocks.blocks for b in group] + [b for page in other for b in page]
+        pinned = [b for group in blocks.blocks for b in group]
+        pinned += [b for mla, other in pages for b in (mla or []) + other]
         block_pool.touch(pinned)
         lease = self.residency.lease()
         block_pool.free_blocks(pinned)
         if not lease:
             return blocks, num_tokens
-        self._pending_hits[request.request_id] = (start, host_pages, lease)
+        self._pending_hits[request.request_id] = (host_pages, lease)
         extended = [list(group) for group in blocks.blocks]
-        for g in self.mla_group_ids:
-            extended[g].extend([block_pool.null_block] * len(host_pages))
-        for i, g in enumerate(self.other_group_ids):
-            extended[g].extend(cached[i] for cached in other)
+        for mla, other in pages:
+            for i, g in enumerate(mla_ids):
+                extended[g].append(mla[i] if mla is not None else block_pool.null_block)
+            for i, g in enumerate(other_ids):
+                extended[g].append(other[i])
         new_blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
-        return new_blocks, num_tokens + len(host_pages) * self.block_size
+        return new_blocks, num_tokens + len(pages) * self.block_size
 
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""
@@ -283,6 +312,8 @@ class HiSparseScheduling:
             copies = self.residency.plan_copies()
             for copy in copies:
                 self._in_flight[(copy.request_id, copy.page_index)] = copy
+        for state, n in self.residency.requests_by_state().items():
+            self.request_steps[state] += n
         updates, self.blocks.updates = self.blocks.updates, []
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
@@ -295,6 +326,7 @@ class HiSparseScheduling:
     def on_model_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Mark the step's reported copies durable; cancel the ones not reported."""
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
+        self.rows_loaded += getattr(output, "hisparse_rows_loaded", 0) or 0
         if plan is None or not plan.copies:
             return
         reported = getattr(output, "hisparse_copied", None)
@@ -320,7 +352,7 @@ class HiSparseScheduling:
     def _return_pending_lease(self, request_id: str) -> None:
         pending = self._pending_hits.pop(request_id, None)
         if pending is not None:
-            self.residency.allocator.give_back(pending[2])
+            self.residency.allocator.give_back(pending[1])
 
     def _sync_request(self, request: Request) -> None:
         """Register the request's pages the KV cache manager added since the last step."""
@@ -331,19 +363,16 @@ class HiSparseScheduling:
         req = residency.requests[request_id]
         tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
         pending = self._pending_hits.pop(request_id, None)
-        position = len(req.pages)
-        while position < len(tables[0]):
-            if pending is not None and position == pending[0]:
-                start, host_pages, lease = pending
-                residency.append_host_pages(request_id, host_pages, lease)
-                position = start + len(host_pages)
-                pending = None
-                continue
-            block_ids = tuple(t[position].block_id for t in tables)
-            residency.append_pages(request_id, [block_ids])
-            position += 1
-        if pending is not None:  # the scheduler did not take the hit after all
-            residency.allocator.give_back(pending[2])
+        host_pages, lease = pending if pending is not None else ({}, [])
+        for position in range(len(req.pages), len(tables[0])):
+            if position in host_pages:
+                residency.append_host_pages(request_id, [host_pages.pop(position)], lease)
+                lease = []
+            else:
+                residency.append_pages(request_id, [tuple(t[position].block_id for t in tables)])
+        assert not host_pages, f"{request_id}: host pages {host_pages} beyond its block table"
+        if lease:  # the scheduler did not take the hit after all
+            residency.allocator.give_back(lease)
         stable = min(request.num_computed_tokens, request.num_tokens)
         if self.enable_caching:
             cached = min(m.num_cached_block.get(request_id, 0) for m in self.blocks.managers)
@@ -389,8 +418,11 @@ class HiSparseScheduling:
             hot_leases=counters.hot_leases,
             host_prefix_pages_reused=counters.host_prefix_pages_reused,
             preemptions_avoided=counters.preemptions_avoided,
-            # Rows are loaded host -> device by the worker's resolver, not planned here.
             copies_in_flight=len(self._in_flight),
+            # Rows the workers' resolvers loaded host -> device (hot-buffer misses).
+            rows_loaded=self.rows_loaded,
+            request_steps_mixed=self.request_steps[RequestState.MIXED],
+            request_steps_none=self.request_steps[RequestState.NONE],
         )
         return out
 

@@ -1,0 +1,122 @@
+"""The core oracle: greedy tokens with Hybrid HiSparse under pressure equal the all-resident run.
+
+Through the real engine on CPU (in-process, to read the scheduler's residency
+counters): three concurrent two-turn sessions of a six-layer tiny GLM-5 with
+sharp weights (a wrong attention row changes tokens) and index top-K 32, so
+every step selects sparsely. The HiSparse runs get a block pool far too small
+for the sessions' KV: pages are copied to the host pool, demoted, read back row
+by row through the resolver (hot-buffer misses), and the second turns start
+from host-only prefixes. The reference runs the same requests with a pool that
+holds everything and no HiSparse. Pressure is asserted, so the test fails if it
+never happened; preemption is asserted absent because a preempted request
+recomputes its prefix, which is not the resident run's arithmetic.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import tiny_models
+from engine import metric_total, model_dir, running_llm
+
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+pytestmark = pytest.mark.slow
+
+SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", init_std=0.2, index_topk=32, num_hidden_layers=6)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# 110 blocks: about 16 pages of the sessions' ~45 pages fit resident.
+PRESSURE = dict(num_gpu_blocks_override=110, max_num_batched_tokens=128)
+
+
+def hisparse(mode: str = "hybrid") -> dict:
+    return {"hisparse_config": {"host_pool_gib": 0.05, "mode": mode}}
+
+
+def first_turns() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (300, 360, 420)]
+
+
+def evict_device_sparse_mla_copies(scheduler) -> int:
+    """Churn between turns: free sparse-MLA blocks whose pages the host pool holds leave the
+    device prefix cache; the indexer's blocks, and each request's resident tail, stay."""
+    block_pool = scheduler.kv_cache_manager.block_pool
+    host_pool = scheduler.hisparse.residency.host_pool
+    mla_groups = set(scheduler.hisparse.mla_group_ids)
+    evict = {
+        b.block_id
+        for b in block_pool.blocks
+        if b.block_hash is not None
+        and b.ref_cnt == 0
+        and get_group_id(b.block_hash) in mla_groups
+        and host_pool.lookup(get_block_hash(b.block_hash)) is not None
+    }
+    scheduler.kv_cache_manager.evict_blocks(evict)
+    return len(evict)
+
+
+def two_turns(model, churn: bool = False, **overrides):
+    """Tokens of both turns, and (with HiSparse) the scheduler's counters and preemptions."""
+    with running_llm(model, dtype="float32", **overrides) as llm:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        prompts = first_turns()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        if churn:
+            assert evict_device_sparse_mla_copies(scheduler) > 0
+        rng = random.Random(9)
+        second = [
+            p + t + [rng.randrange(3, 512) for _ in range(24)] for p, t in zip(prompts, tokens, strict=True)
+        ]
+        outs2 = llm.generate([{"prompt_token_ids": p} for p in second], GREEDY, use_tqdm=False)
+        tokens2 = [list(o.outputs[0].token_ids) for o in outs2]
+        cached2 = [o.num_cached_tokens for o in outs2]
+        stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
+        preemptions = metric_total(llm, "vllm:num_preemptions")
+    return tokens, tokens2, cached2, stats, preemptions
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_dir(SIX_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def resident(model):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return two_turns(model)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "always"])
+def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        tokens, tokens2, cached2, stats, preemptions = two_turns(
+            model, churn=True, attention_config=hisparse(mode), **PRESSURE
+        )
+    ref_tokens, ref_tokens2, ref_cached2, _, _ = resident
+    # Pressure happened, and every kind of residency was exercised.
+    assert stats["pages_demoted"] > 0 and stats["pages_copied_to_host"] > 0
+    assert stats["request_steps_mixed"] > 0, "some request ran with pages in the host pool"
+    assert stats["request_steps_none"] > 0, "a second turn started from a host-only prefix"
+    assert stats["host_prefix_pages_reused"] > 0
+    assert stats["rows_loaded"] > 0, "the resolver loaded rows from the host pool"
+    assert preemptions == 0
+    # The second turns reused their prefixes as the resident run did: nothing recomputed.
+    assert cached2 == ref_cached2
+    assert tokens == ref_tokens
+    assert tokens2 == ref_tokens2
+
+
+def test_without_pressure_hybrid_keeps_every_request_full(model, resident):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        tokens, tokens2, _, stats, _ = two_turns(model, attention_config=hisparse())
+    assert stats["pages_demoted"] == 0 and stats["hot_leases"] == 0 and stats["rows_loaded"] == 0
+    assert stats["request_steps_mixed"] == 0 and stats["request_steps_none"] == 0
+    assert stats["pages_copied_to_host"] > 0, "proactive copies ran ahead of any pressure"
+    assert (tokens, tokens2) == resident[:2]
