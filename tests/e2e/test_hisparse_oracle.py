@@ -15,6 +15,8 @@ recomputes its prefix, which is not the resident run's arithmetic.
 from __future__ import annotations
 
 import random
+import uuid
+from pathlib import Path
 
 import pytest
 import tiny_models
@@ -58,8 +60,15 @@ def evict_device_sparse_mla_copies(scheduler) -> int:
     return len(evict)
 
 
-def two_turns(model, churn: bool = False, **overrides):
-    """Tokens of both turns, and (with HiSparse) the scheduler's counters and preemptions."""
+OFFLOAD_COUNTERS = ("vllm:kv_offload_store_bytes", "vllm:kv_offload_load_bytes")
+
+
+def two_turns(model, churn: bool = False, reset: bool = False, **overrides):
+    """Tokens of both turns, and (with HiSparse) the scheduler's counters and preemptions.
+
+    Between turns, `churn` evicts device copies of host-held sparse-MLA pages and `reset`
+    drops the whole device prefix cache (so only a KV connector can serve the prefixes).
+    """
     with running_llm(model, dtype="float32", **overrides) as llm:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         prompts = first_turns()
@@ -67,6 +76,8 @@ def two_turns(model, churn: bool = False, **overrides):
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         if churn:
             assert evict_device_sparse_mla_copies(scheduler) > 0
+        if reset:
+            assert llm.reset_prefix_cache()
         rng = random.Random(9)
         second = [
             p + t + [rng.randrange(3, 512) for _ in range(24)] for p, t in zip(prompts, tokens, strict=True)
@@ -76,7 +87,8 @@ def two_turns(model, churn: bool = False, **overrides):
         cached2 = [o.num_cached_tokens for o in outs2]
         stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
         preemptions = metric_total(llm, "vllm:num_preemptions")
-    return tokens, tokens2, cached2, stats, preemptions
+        offload = {name: metric_total(llm, name) for name in OFFLOAD_COUNTERS}
+    return tokens, tokens2, cached2, stats, preemptions, offload
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +107,10 @@ def resident(model):
 def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        tokens, tokens2, cached2, stats, preemptions = two_turns(
+        tokens, tokens2, cached2, stats, preemptions, _ = two_turns(
             model, churn=True, attention_config=hisparse(mode), **PRESSURE
         )
-    ref_tokens, ref_tokens2, ref_cached2, _, _ = resident
+    ref_tokens, ref_tokens2, ref_cached2, *_ = resident
     # Pressure happened, and every kind of residency was exercised.
     assert stats["pages_demoted"] > 0 and stats["pages_copied_to_host"] > 0
     assert stats["request_steps_mixed"] > 0, "some request ran with pages in the host pool"
@@ -115,8 +127,42 @@ def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode)
 def test_without_pressure_hybrid_keeps_every_request_full(model, resident):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        tokens, tokens2, _, stats, _ = two_turns(model, attention_config=hisparse())
+        tokens, tokens2, _, stats, *_ = two_turns(model, attention_config=hisparse())
     assert stats["pages_demoted"] == 0 and stats["hot_leases"] == 0 and stats["rows_loaded"] == 0
     assert stats["request_steps_mixed"] == 0 and stats["request_steps_none"] == 0
     assert stats["pages_copied_to_host"] > 0, "proactive copies ran ahead of any pressure"
     assert (tokens, tokens2) == resident[:2]
+
+
+def offloading_turns(model, spec_name: str, **overrides):
+    """two_turns with the OffloadingConnector, the device prefix cache dropped between turns."""
+    engine_id = f"test-hisparse-offloading-{uuid.uuid4().hex}"
+    kv_transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"spec_name": spec_name, "cpu_bytes_to_use": 64 << 20},
+    }
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            return two_turns(model, reset=True, kv_transfer_config=kv_transfer, **overrides)
+    finally:
+        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
+            leftover.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("spec_name", ["CPUOffloadingSpec", "TieringOffloadingSpec"])
+def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name):
+    """HiSparse demotes under pressure while the OffloadingConnector stores pages and, after
+    the device prefix cache is dropped between turns, loads them back: tokens and loaded
+    prefixes equal the connector-only run with a pool that holds everything."""
+    reference = offloading_turns(model, spec_name)
+    tokens, tokens2, cached2, stats, preemptions, offload = offloading_turns(
+        model, spec_name, attention_config=hisparse(), **PRESSURE
+    )
+    assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
+    assert offload["vllm:kv_offload_store_bytes"] > 0 and offload["vllm:kv_offload_load_bytes"] > 0
+    assert sum(cached2) > 0, "the second turns loaded their prefixes"
+    assert cached2 == reference[2]
+    assert (tokens, tokens2) == reference[:2]

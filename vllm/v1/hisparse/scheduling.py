@@ -116,11 +116,16 @@ class _PageHashes(Sequence):
 class KVCacheBlockAccess:
     """The KV cache manager's block pool and block tables, as residency sees them."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int]) -> None:
+    def __init__(
+        self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int], connector: Any = None
+    ) -> None:
         self.block_pool = kv_cache_manager.block_pool
         self.managers = [kv_cache_manager.coordinator.single_type_managers[g] for g in mla_group_ids]
         self.mla_group_ids = tuple(mla_group_ids)
         self.updates: list[BlockTableUpdate] = []
+        # A KV connector keeps its own copy of each request's block ids; one that can
+        # be told (the OffloadingConnector) stops storing from a demoted page's blocks.
+        self.connector = connector if hasattr(connector, "drop_block_ids") else None
 
     def _blocks(self, block_ids: Sequence[int]):
         return [self.block_pool.blocks[b] for b in block_ids]
@@ -155,6 +160,8 @@ class KVCacheBlockAccess:
             table[page_index] = null_block
             dropped.append(block)
             self.updates.append(BlockTableUpdate(request_id, group_id, page_index, null_block.block_id))
+            if self.connector is not None:
+                self.connector.drop_block_ids(request_id, group_id, [page_index])
         free_before = self.block_pool.get_num_free_blocks()
         self.block_pool.free_blocks(dropped)
         return self.block_pool.get_num_free_blocks() - free_before
@@ -181,7 +188,7 @@ class HiSparseScheduling:
                 f"{[list(g.layer_names)[:2] for g in groups]}"
             )
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
-        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
+        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids, scheduler.connector)
         num_host_pages = config.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
         self.residency = ResidencyManager(
             self.blocks,

@@ -154,6 +154,8 @@ class HiSparseWorker:
 
     def finish_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """After the forward (or instead of one): run the planned copies, report them."""
+        global _active
+        _active = None  # forwards outside a planned step (dummy runs) read everything in place
         plan, self._plan = self._plan, None
         if plan is None:
             return output
