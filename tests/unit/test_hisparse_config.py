@@ -173,3 +173,13 @@ def test_startup_refuses_speculative_decoding_with_a_clear_reason(tiny_glm_dsa_d
     )
     with pytest.raises(ValueError, match="does not support speculative decoding"):
         args.create_engine_config()
+
+
+def test_the_host_pool_is_shared_by_the_tensor_parallel_replicas(tiny_glm_dsa_dir):
+    from vllm.config.hisparse import host_pool_pages, sparse_mla_page_bytes
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    single = host_pool_pages(config)
+    assert single == (1 << 30) // sparse_mla_page_bytes(config)
+    config.parallel_config.tensor_parallel_size = 8  # every rank keeps a replica of the latent cache
+    assert host_pool_pages(config) == single // 8

@@ -134,6 +134,15 @@ def sparse_mla_page_bytes(vllm_config: VllmConfig) -> int:
     return per_token * SPARSE_MLA_PAGE_TOKENS * model_config.get_total_num_hidden_layers()
 
 
+def host_pool_pages(vllm_config: VllmConfig) -> int:
+    """Pages the host pool holds: `host_pool_gib` is for the whole engine, and every
+    tensor-parallel worker keeps its own replica of the sparse-MLA latent cache."""
+    hisparse = vllm_config.attention_config.hisparse_config
+    assert hisparse is not None
+    replicas = vllm_config.parallel_config.tensor_parallel_size
+    return hisparse.host_pool_bytes // (sparse_mla_page_bytes(vllm_config) * replicas)
+
+
 def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     """Start-up checks that need the model; resolves the hot-buffer default."""
     hisparse = vllm_config.attention_config.hisparse_config
@@ -155,12 +164,12 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             f"{model} selects index_topk={topk} rows per step; set device_buffer_size >= "
             f"{topk} or leave it unset for the default {DEFAULT_HOT_BUFFER_TOPK_MULTIPLE * topk}"
         )
-    page_bytes = sparse_mla_page_bytes(vllm_config)
-    if hisparse.host_pool_bytes < page_bytes:
+    page_bytes = sparse_mla_page_bytes(vllm_config) * vllm_config.parallel_config.tensor_parallel_size
+    if host_pool_pages(vllm_config) < 1:
         raise ValueError(
             f"hisparse_config.host_pool_gib={hisparse.host_pool_gib} holds no page of {model}: "
-            f"one page of all sparse-MLA layers is {page_bytes} bytes "
-            f"({page_bytes / GiB:.4f} GiB); raise host_pool_gib"
+            f"one page of all sparse-MLA layers on every tensor-parallel worker is {page_bytes} "
+            f"bytes ({page_bytes / GiB:.4f} GiB); raise host_pool_gib"
         )
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         raise ValueError(

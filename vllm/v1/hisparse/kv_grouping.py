@@ -135,10 +135,10 @@ def hisparse_max_memory_usage(
     hisparse = vllm_config.attention_config.hisparse_config
     if hisparse is None or not groups or not scheduling.plans_executable():
         return None
-    from vllm.config.hisparse import SPARSE_MLA_PAGE_TOKENS, sparse_mla_page_bytes
+    from vllm.config.hisparse import SPARSE_MLA_PAGE_TOKENS, host_pool_pages
 
     max_len = vllm_config.model_config.max_model_len
-    host_pages = hisparse.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
+    host_pages = host_pool_pages(vllm_config)
     needed_pages = math.ceil(max_len / SPARSE_MLA_PAGE_TOKENS)
     if host_pages < needed_pages:
         raise ValueError(

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.config.hisparse import sparse_mla_page_bytes
+from vllm.config.hisparse import host_pool_pages, sparse_mla_page_bytes
 from vllm.logger import init_logger
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
@@ -189,7 +189,7 @@ class HiSparseScheduling:
             )
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
         self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids, scheduler.connector)
-        num_host_pages = config.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
+        num_host_pages = host_pool_pages(vllm_config)
         self.residency = ResidencyManager(
             self.blocks,
             HostPagePool(num_host_pages),

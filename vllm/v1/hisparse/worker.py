@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.config.hisparse import sparse_mla_page_bytes
+from vllm.config.hisparse import host_pool_pages
 from vllm.logger import init_logger
 from vllm.v1.hisparse import scheduling
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
@@ -88,7 +88,7 @@ class HiSparseWorker:
         self.block_size = first.shape[1]
         width = first.shape[2]
         self.hot_rows = config.device_buffer_size
-        num_host_pages = config.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
+        num_host_pages = host_pool_pages(vllm_config)
         pin = first.is_cuda
         self.host_pool = torch.empty(
             (len(self.layers), num_host_pages, self.block_size, width),
