@@ -166,3 +166,38 @@ def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name
     assert sum(cached2) > 0, "the second turns loaded their prefixes"
     assert cached2 == reference[2]
     assert (tokens, tokens2) == reference[:2]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def repetitive_prompts() -> list[list[int]]:
+    """Prompts made of a repeated phrase, so n-gram lookup proposes drafts."""
+    rng = random.Random(5)
+    phrases = [[rng.randrange(3, 512) for _ in range(n)] for n in (20, 24, 28)]
+    return [(phrase * 20)[:length] for phrase, length in zip(phrases, (300, 360, 420), strict=True)]
+
+
+def speculative_run(model, **overrides):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with running_llm(model, dtype="float32", speculative_config=NGRAM, **overrides) as llm:
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in repetitive_prompts()], GREEDY, use_tqdm=False
+            )
+            stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
+            drafts = metric_total(llm, "vllm:spec_decode_num_draft_tokens")
+            preemptions = metric_total(llm, "vllm:num_preemptions")
+    return [list(o.outputs[0].token_ids) for o in outs], stats, drafts, preemptions
+
+
+def test_draft_verification_under_pressure_equals_the_all_resident_run(model):
+    """Multi-token decode (n-gram drafts verified by the target model) of requests with
+    pages in the host pool resolves token by token over the request's hot state."""
+    reference, _, reference_drafts, _ = speculative_run(model)
+    tokens, stats, drafts, preemptions = speculative_run(model, attention_config=hisparse(), **PRESSURE)
+    assert reference_drafts > 0 and drafts > 0
+    assert stats["speculative_steps_with_host_pages"] > 0, "drafts were verified for MIXED/NONE requests"
+    assert stats["rows_loaded"] > 0 and preemptions == 0
+    assert tokens == reference

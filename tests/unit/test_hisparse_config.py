@@ -162,17 +162,29 @@ def test_vllm_serve_rejects_a_bad_hisparse_config_before_loading_anything():
     assert "hisparse_config.host_pool_gib must be > 0 (got -1" in done.stderr
 
 
-def test_startup_refuses_speculative_decoding_with_a_clear_reason(tiny_glm_dsa_dir):
+def speculative_engine_config(model_dir: Path, speculative_config: dict):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(
-        model=str(tiny_glm_dsa_dir),
+    return EngineArgs(
+        model=str(model_dir),
         max_model_len=1024,
         attention_config={"hisparse_config": {"host_pool_gib": 1}},
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-    )
-    with pytest.raises(ValueError, match="does not support speculative decoding"):
-        args.create_engine_config()
+        speculative_config=speculative_config,
+    ).create_engine_config()
+
+
+def test_startup_refuses_an_mtp_drafter_with_a_clear_reason(tiny_glm_dsa_dir):
+    # A GLM-5 checkpoint as its own draft model is taken as MTP speculative decoding.
+    draft = {"model": str(tiny_glm_dsa_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="does not support speculative_config method 'mtp'"):
+        speculative_engine_config(tiny_glm_dsa_dir, draft)
+
+
+def test_startup_accepts_model_free_drafts(tiny_glm_dsa_dir):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    config = speculative_engine_config(tiny_glm_dsa_dir, ngram)
+    assert config.attention_config.hisparse_config is not None
+    assert config.speculative_config.method == "ngram"
 
 
 def test_the_host_pool_is_shared_by_the_tensor_parallel_replicas(tiny_glm_dsa_dir):

@@ -34,6 +34,9 @@ SPARSE_MLA_PAGE_TOKENS = 64
 FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
 # The default hot buffer holds this many times the model's index top-K rows.
 DEFAULT_HOT_BUFFER_TOPK_MULTIPLE = 2
+# Speculative methods whose drafts come without a model of their own: the target
+# model verifies them like a short prefill, which the resolver handles token by token.
+MODEL_FREE_DRAFTERS = ("ngram", "suffix")
 
 
 @config
@@ -181,11 +184,14 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
 
     vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
-    if vllm_config.speculative_config is not None:
+    speculative = vllm_config.speculative_config
+    if speculative is not None and speculative.method not in MODEL_FREE_DRAFTERS:
         raise ValueError(
-            "hisparse_config does not support speculative decoding in this build: the "
-            "drafter's (MTP) sparse-MLA layer is not wired to the HiSparse resolver, so its "
-            "reads of demoted pages would be wrong. Remove --speculative-config or "
+            f"hisparse_config does not support speculative_config method "
+            f"{speculative.method!r} in this build: its drafter (MTP or another draft "
+            "model) has sparse-MLA layers that are not wired to the HiSparse resolver, so "
+            "their reads of demoted pages would be wrong. Use a model-free method "
+            f"({', '.join(MODEL_FREE_DRAFTERS)}), or remove --speculative-config or "
             "hisparse_config"
         )
     from vllm.v1.hisparse.scheduling import plans_executable

@@ -209,6 +209,8 @@ class HiSparseScheduling:
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
         self.rows_loaded = 0
+        # Steps that verified draft tokens of a request with pages in the host pool.
+        self.speculative_steps_with_host_pages = 0
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
         if plans_executable():
             # Admission by tail + lease rather than by whole context: relief makes
@@ -321,6 +323,10 @@ class HiSparseScheduling:
                 self._in_flight[(copy.request_id, copy.page_index)] = copy
         for state, n in self.residency.requests_by_state().items():
             self.request_steps[state] += n
+        for request_id in scheduler_output.scheduled_spec_decode_tokens:
+            req = self.residency.requests.get(request_id)
+            if req is not None and req.state is not RequestState.FULL:
+                self.speculative_steps_with_host_pages += 1
         updates, self.blocks.updates = self.blocks.updates, []
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
@@ -430,6 +436,7 @@ class HiSparseScheduling:
             rows_loaded=self.rows_loaded,
             request_steps_mixed=self.request_steps[RequestState.MIXED],
             request_steps_none=self.request_steps[RequestState.NONE],
+            speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,
         )
         return out
 
