@@ -345,3 +345,19 @@ def test_the_step_plan_pickles_to_an_equal_plan_of_plain_values(model):
     # Plain values only: nothing of the scheduler (blocks, requests) rides along.
     entries = len(busiest.copies) + len(busiest.block_table_updates) + len(busiest.residency)
     assert len(data) < 400 * entries
+
+
+def test_a_full_host_pool_falls_back_to_preemption_and_loses_nothing(model):
+    # Twelve host pages for four requests of ten pages: the host pool fills, nothing more
+    # can be demoted, and the scheduler preempts as it would without HiSparse.
+    page_gib = MLA_GROUPS * BLOCK * 576 * 2 / (1 << 30)  # bf16 latent rows of six layers
+    config = hisparse_config(host_pool_gib=12.5 * page_gib)
+    h = harness(model, 6, config, max_model_len=640, max_num_batched_tokens=128)
+    assert h.hisparse.residency.host_pool.num_pages == 12
+    for i in range(4):
+        h.add_request(prompt(i, 400), max_tokens=200)
+    obs = run_checked(h, max_steps=3000)
+    assert all(req.num_output_tokens == 200 for req in h.requests.values())
+    assert max(o.hisparse_stats["host_pages_used"] for o in obs) == 12, "the host pool filled up"
+    assert h.total_preemptions > 0
+    assert obs[-1].hisparse_stats["host_pages_used"] == 0
