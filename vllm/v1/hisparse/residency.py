@@ -114,10 +114,12 @@ class RequestResidency:
     hot_blocks: list[int] = field(default_factory=list)
     # Page-level block hashes; may be a live view that grows with the request.
     block_hashes: Sequence[Hashable] = ()
+    # HOST pages never turn resident again, so a count keeps FULL an O(1) check.
+    num_host_pages: int = 0
 
     @property
     def state(self) -> RequestState:
-        if all(p.state is not PageState.HOST for p in self.pages):
+        if not self.num_host_pages:
             return RequestState.FULL
         if all(p.state is PageState.HOST for p in self.pages[: self.num_demotable_pages]):
             return RequestState.NONE
@@ -224,6 +226,7 @@ class ResidencyManager:
         for page in host_pages:
             self.host_pool.retain(page)
             req.pages.append(Page(block_ids=None, host_page=page))
+        req.num_host_pages += len(host_pages)
         self.counters.host_prefix_pages_reused += len(host_pages)
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[int]]) -> None:
@@ -428,6 +431,7 @@ class ResidencyManager:
             freed += self.allocator.drop_page(req.request_id, index, page.block_ids)
             page.block_ids = None
             page.demote_when_copied = False
+        req.num_host_pages += len(indices)
         self.counters.pages_demoted += len(indices)
         if not req.hot_blocks:
             req.hot_blocks = self.allocator.take(self.hot_lease_blocks)
@@ -462,6 +466,7 @@ class ResidencyManager:
         assert len(leased) == len(set(leased)), "a hot-lease block is leased twice"
         host_refs: dict[int, int] = {}
         for req in self.requests.values():
+            assert req.num_host_pages == req.count(PageState.HOST)
             assert len(req.hot_blocks) in (0, self.hot_lease_blocks)
             if req.state is not RequestState.FULL:
                 assert req.hot_blocks, "a request with HOST pages has a hot buffer"

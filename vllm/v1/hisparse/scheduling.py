@@ -100,19 +100,6 @@ class HiSparseStepPlan:
     residency: tuple[RequestResidencyMap, ...]
 
 
-class _PageHashes(Sequence):
-    """A request's block hashes, read live (they grow as it decodes)."""
-
-    def __init__(self, request: Request) -> None:
-        self._hashes = request.block_hashes
-
-    def __len__(self) -> int:
-        return len(self._hashes)
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._hashes[index]
-
-
 class KVCacheBlockAccess:
     """The KV cache manager's block pool and block tables, as residency sees them."""
 
@@ -372,7 +359,8 @@ class HiSparseScheduling:
         request_id = request.request_id
         residency = self.residency
         if request_id not in residency.requests:
-            residency.add_request(request_id, _PageHashes(request) if self.enable_caching else ())
+            # The request's own list: it grows as the request decodes.
+            residency.add_request(request_id, request.block_hashes if self.enable_caching else ())
         req = residency.requests[request_id]
         tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
         pending = self._pending_hits.pop(request_id, None)

@@ -45,7 +45,7 @@ logger = init_logger(__name__)
 class _HotRows:
     """One request's hot buffer in one layer: physical rows, held positions, LRU stamps."""
 
-    lease: tuple[int, ...]
+    lease: tuple[tuple[int, ...], ...]
     rows: torch.Tensor
     positions: torch.Tensor
     stamps: torch.Tensor
@@ -56,7 +56,8 @@ class StepResidency:
     """What the sparse-MLA backend needs this step, per request id."""
 
     host_pages: dict[str, dict[int, int]] = field(default_factory=dict)  # page index -> host page
-    hot_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per layer's group
+    # Hot-lease blocks, one tuple per sparse-MLA group in the plan's group order.
+    hot_blocks: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     @property
     def all_full(self) -> bool:
@@ -147,9 +148,7 @@ class HiSparseWorker:
         step = StepResidency()
         for entry in plan.residency:
             step.host_pages[entry.request_id] = dict(entry.host_pages)
-            step.hot_blocks[entry.request_id] = tuple(
-                b for per_group in entry.hot_block_ids for b in per_group
-            )
+            step.hot_blocks[entry.request_id] = entry.hot_block_ids
         self.step = step
 
     def finish_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
@@ -238,9 +237,7 @@ class HiSparseWorker:
         key = (request_id, layer_name)
         hot = self._hot.get(key)
         if hot is None or hot.lease != lease:
-            g = self.mla_group_ids.index(self.group_of_layer[layer_name])
-            per_group = len(lease) // len(self.mla_group_ids)
-            blocks = lease[g * per_group : (g + 1) * per_group]
+            blocks = lease[self.mla_group_ids.index(self.group_of_layer[layer_name])]
             rows = torch.cat([torch.arange(self.block_size) + b * stride_rows for b in blocks])
             rows = rows[: self.hot_rows].long()
             hot = _HotRows(
