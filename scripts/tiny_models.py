@@ -140,7 +140,6 @@ _MOE_ROUTING = (
     ("topk_group", 1),
     ("norm_topk_prob", True),
     ("routed_scaling_factor", 2.5),
-    ("num_nextn_predict_layers", 0),  # no MTP layers in the checkpoint
     ("tie_word_embeddings", False),
 )
 
@@ -190,6 +189,9 @@ class TinyModelSpec:
     2048) means any prompt over 128 tokens already exercises sparse selection. Everything
     else is as small as it can be while staying non-trivial: layer 0 is dense and layer 1 MoE
     (``first_k_dense_replace=1``), 4 routed experts with 2 per token plus 1 shared expert.
+    ``num_nextn_predict_layers`` adds the released models' multi-token-prediction (MTP) layers
+    after the decoder layers, for vLLM's ``mtp`` speculative decoding (transformers ignores
+    them).
     """
 
     arch: Arch = "glm5"
@@ -210,6 +212,7 @@ class TinyModelSpec:
     moe_intermediate_size: int = 64
     intermediate_size: int = 256
     first_k_dense_replace: int = 1
+    num_nextn_predict_layers: int = 0
     vocab_size: int = 512
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
@@ -255,7 +258,7 @@ def _spec_problems(spec: TinyModelSpec) -> list[str]:
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool):
             out.append(f"{name} must be an int (got {value!r})")
-        elif value < (0 if name in ("seed", "first_k_dense_replace") else 1):
+        elif value < (0 if name in ("seed", "first_k_dense_replace", "num_nextn_predict_layers") else 1):
             out.append(f"{name} must be positive (got {value})")
     if out:
         return out
@@ -353,6 +356,7 @@ def build_config(spec: TinyModelSpec) -> PretrainedConfig:
         index_head_dim=spec.index_head_dim,
         index_n_heads=spec.index_n_heads,
         first_k_dense_replace=spec.first_k_dense_replace,
+        num_nextn_predict_layers=spec.num_nextn_predict_layers,
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta)},
         hidden_act="silu",
@@ -378,6 +382,13 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def _seeded(shape: Sequence[int], seed: int, name: str, std: float):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
 def _init_weights(model: PreTrainedModel, seed: int, std: float) -> None:
     """Deterministic, name-keyed init: ones for norm scales, zeros for biases, N(0, std) else.
 
@@ -399,9 +410,7 @@ def _init_weights(model: PreTrainedModel, seed: int, std: float) -> None:
             elif leaf == "bias":
                 tensor.zero_()
             else:
-                gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
-                values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-                tensor.copy_(values)
+                tensor.copy_(_seeded(tensor.shape, seed, name, std))
 
 
 def transformers_model_class(architecture: str) -> type[PreTrainedModel]:
@@ -421,6 +430,44 @@ def load_transformers_model(path: str | os.PathLike[str], **kwargs: Any) -> PreT
     """Load a checkpoint with the transformers class its config.json names."""
     config = json.loads((Path(path) / "config.json").read_text())
     return transformers_model_class(config["architectures"][0]).from_pretrained(path, **kwargs)
+
+
+def _mtp_tensors(spec: TinyModelSpec, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The MTP layers' tensors, named as the released checkpoints name them.
+
+    MTP layer i is ``model.layers.{num_hidden_layers + i}``: a decoder layer shaped like
+    the last one (attention, indexer, MLP), plus ``enorm``/``hnorm`` (norms of the token
+    embedding and of the previous hidden state), ``eh_proj`` (their concatenation back to
+    the hidden size) and ``shared_head`` (final norm and vocabulary projection). Same
+    name-keyed initialisation as every other tensor.
+    """
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    last = f"model.layers.{spec.num_hidden_layers - 1}."
+    h = spec.hidden_size
+    out: dict[str, Any] = {}
+    for i in range(spec.num_nextn_predict_layers):
+        prefix = f"model.layers.{spec.num_hidden_layers + i}."
+        shapes = {prefix + name[len(last):]: t for name, t in state_dict.items() if name.startswith(last)}
+        shapes.update({
+            prefix + "enorm.weight": torch.empty(h),
+            prefix + "hnorm.weight": torch.empty(h),
+            prefix + "eh_proj.weight": torch.empty(h, 2 * h),
+            prefix + "shared_head.norm.weight": torch.empty(h),
+            prefix + "shared_head.head.weight": torch.empty(spec.vocab_size, h),
+        })
+        for name, like in shapes.items():
+            leaf_module = name.rsplit(".", 2)[-2]
+            if name.endswith(".weight") and "norm" in leaf_module:
+                value = torch.ones(like.shape)
+            elif name.endswith(".bias"):
+                value = torch.zeros(like.shape)
+            else:
+                value = _seeded(like.shape, spec.seed, name, spec.init_std)
+            keep_fp32 = name.endswith("e_score_correction_bias")
+            out[name] = value.to(torch.float32 if keep_fp32 else dtype).contiguous()
+    return out
 
 
 def _build_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedModel:
@@ -584,11 +631,24 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str | os.PathLike[str]) -> Pa
     finally:
         if progress_bars:
             hf_logging.enable_progress_bar()
+    if spec.num_nextn_predict_layers:
+        _add_mtp_layers(spec, out / "model.safetensors")
     tokenizer.save_pretrained(out)
     (out / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2, sort_keys=True) + "\n")
     for path in out.iterdir():
         path.chmod(0o644)  # transformers writes the weights 0600 (via a temporary file)
     return out
+
+
+def _add_mtp_layers(spec: TinyModelSpec, weights: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(weights), "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(weights))
+    tensors.update(_mtp_tensors(spec, tensors))
+    save_file(tensors, str(weights), metadata=metadata)
 
 
 def tiny_model_dir(spec: TinyModelSpec, cache_root: str | os.PathLike[str]) -> Path:
@@ -638,6 +698,7 @@ _CLI_FLAGS: dict[str, str] = {
     "moe-intermediate-size": "moe_intermediate_size",
     "intermediate-size": "intermediate_size",
     "first-k-dense": "first_k_dense_replace",
+    "mtp-layers": "num_nextn_predict_layers",
     "vocab-size": "vocab_size",
     "max-position-embeddings": "max_position_embeddings",
     "rope-theta": "rope_theta",

@@ -201,3 +201,66 @@ def test_draft_verification_under_pressure_equals_the_all_resident_run(model):
     assert stats["speculative_steps_with_host_pages"] > 0, "drafts were verified for MIXED/NONE requests"
     assert stats["rows_loaded"] > 0 and preemptions == 0
     assert tokens == reference
+
+
+SIX_LAYERS_MTP = tiny_models.TinyModelSpec(
+    arch="glm5", init_std=0.2, index_topk=32, num_hidden_layers=6, num_nextn_predict_layers=1
+)
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+# The MTP drafter's layers join the resident indexer group, so a page costs fewer blocks
+# than without it: 60 blocks give about the pressure 110 give above.
+MTP_PRESSURE = dict(num_gpu_blocks_override=60, max_num_batched_tokens=128)
+
+
+def mtp_run(model, **overrides):
+    """Greedy tokens and every draft the MTP layer proposed, keyed by (prompt length, tokens so far)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with running_llm(model, dtype="float32", speculative_config=MTP, **overrides) as llm:
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            drafts: dict[tuple[int, int], list[int]] = {}
+            deliver = scheduler.update_draft_token_ids
+
+            def recording(proposed):
+                for request_id, ids in zip(proposed.req_ids, proposed.draft_token_ids, strict=True):
+                    request = scheduler.requests.get(request_id)
+                    if request is not None and not request.is_prefill_chunk:
+                        drafts[(request.num_prompt_tokens, request.num_tokens)] = list(ids)
+                return deliver(proposed)
+
+            scheduler.update_draft_token_ids = recording
+            outs = llm.generate([{"prompt_token_ids": p} for p in first_turns()], GREEDY, use_tqdm=False)
+            stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
+            preemptions = metric_total(llm, "vllm:num_preemptions")
+    return [list(o.outputs[0].token_ids) for o in outs], drafts, stats, preemptions
+
+
+def test_mtp_drafts_and_tokens_under_pressure_equal_the_all_resident_run():
+    """The checkpoint's own MTP layer drafts while the target's pages move: its layers stay
+    resident with the indexer, so every draft (not only the verified tokens) equals the
+    all-resident run's. The reference chunks prefills alike: an MTP drafter's cache at a
+    chunk boundary depends on where the boundary falls."""
+    model = model_dir(SIX_LAYERS_MTP)
+    reference, reference_drafts, _, _ = mtp_run(model, max_num_batched_tokens=128)
+    tokens, drafts, stats, preemptions = mtp_run(model, attention_config=hisparse(), **MTP_PRESSURE)
+    assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
+    assert stats["speculative_steps_with_host_pages"] > 0, "drafts were verified for MIXED/NONE requests"
+    assert len(reference_drafts) > 0
+    assert drafts == reference_drafts
+    assert tokens == reference
+
+
+def test_mtp_second_turns_start_from_host_prefixes_like_the_all_resident_run():
+    """Host prefix reuse with an MTP drafter: its blocks, cached with the indexer's, stay
+    on the device, so a second turn takes its host-only pages and computes nothing again."""
+    model = model_dir(SIX_LAYERS_MTP)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        reference = two_turns(model, speculative_config=MTP, max_num_batched_tokens=128)
+        tokens, tokens2, cached2, stats, preemptions, _ = two_turns(
+            model, churn=True, speculative_config=MTP, attention_config=hisparse(), **MTP_PRESSURE
+        )
+    assert stats["request_steps_none"] > 0 and stats["host_prefix_pages_reused"] > 0
+    assert preemptions == 0
+    assert cached2 == reference[2]
+    assert (tokens, tokens2) == reference[:2]

@@ -173,10 +173,18 @@ def speculative_engine_config(model_dir: Path, speculative_config: dict):
     ).create_engine_config()
 
 
-def test_startup_refuses_an_mtp_drafter_with_a_clear_reason(tiny_glm_dsa_dir):
-    # A GLM-5 checkpoint as its own draft model is taken as MTP speculative decoding.
-    draft = {"model": str(tiny_glm_dsa_dir), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="does not support speculative_config method 'mtp'"):
+def test_startup_accepts_the_checkpoints_own_mtp_layers(tmp_path, tiny_glm_dsa_dir):
+    # A GLM-5 checkpoint with a next-token layer as its own draft model is MTP.
+    config = json.loads((tiny_glm_dsa_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    mtp = speculative_engine_config(tmp_path, {"model": str(tmp_path), "num_speculative_tokens": 2})
+    assert mtp.speculative_config.method == "mtp"
+    assert mtp.attention_config.hisparse_config is not None
+
+
+def test_startup_refuses_another_draft_model_with_a_clear_reason(tiny_glm_dsa_dir, tiny_llama_dir):
+    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="does not support speculative_config method 'draft_model'"):
         speculative_engine_config(tiny_glm_dsa_dir, draft)
 
 

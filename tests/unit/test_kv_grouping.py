@@ -11,26 +11,47 @@ from vllm.v1.hisparse.kv_grouping import choose_mla_group_count, relative_capaci
 # GLM-5 / DeepSeek-V3.2 sizes: 61 layers, bf16 latent 576 x 64 tokens per page,
 # indexer 132 bytes x 64 tokens per page and layer.
 REAL_LAYERS, REAL_MLA_PAGE, REAL_INDEXER_PAGE = 61, 576 * 2 * 64, 132 * 64
+REAL_INDEXER = REAL_LAYERS * REAL_INDEXER_PAGE
 
 
 def test_the_released_models_keep_almost_all_capacity():
-    k = choose_mla_group_count(REAL_LAYERS, REAL_MLA_PAGE, REAL_LAYERS * REAL_INDEXER_PAGE)
+    k = choose_mla_group_count(REAL_LAYERS, REAL_MLA_PAGE, REAL_INDEXER)
     assert k == 9
-    assert relative_capacity(k, REAL_LAYERS, REAL_MLA_PAGE, REAL_LAYERS * REAL_INDEXER_PAGE) == pytest.approx(
-        0.971, abs=1e-3
-    )
-    naive = relative_capacity(1, REAL_LAYERS, REAL_MLA_PAGE, REAL_LAYERS * REAL_INDEXER_PAGE)
+    assert relative_capacity(k, REAL_LAYERS, REAL_MLA_PAGE, REAL_INDEXER) == pytest.approx(0.971, abs=1e-3)
+    naive = relative_capacity(1, REAL_LAYERS, REAL_MLA_PAGE, REAL_INDEXER)
     assert naive == pytest.approx(0.557, abs=1e-3), "one sparse-MLA group wastes most of the indexer's share"
 
 
-@pytest.mark.parametrize("layers", [1, 2, 3, 7, 30, 61, 78])
-@pytest.mark.parametrize("indexer_page", [132 * 64, 68 * 64])
-def test_the_choice_is_the_best_one_that_keeps_latent_rows_whole(layers, indexer_page):
-    indexer_width = layers * indexer_page
-    k = choose_mla_group_count(layers, REAL_MLA_PAGE, indexer_width)
-    assert math.ceil(layers / k) * REAL_MLA_PAGE >= indexer_width, "sparse-MLA groups are the widest"
+def test_an_mtp_drafter_in_the_resident_group_costs_little_capacity():
+    # Its sparse-MLA layer and its indexer join the indexer layers: no extra block per page.
+    resident = REAL_INDEXER + REAL_MLA_PAGE + REAL_INDEXER_PAGE
+    k = choose_mla_group_count(REAL_LAYERS, REAL_MLA_PAGE, resident)
+    assert k == 7, "the sparse-MLA groups widen to stay at least as wide as the resident group"
+    assert relative_capacity(k, REAL_LAYERS, REAL_MLA_PAGE, resident) == pytest.approx(0.960, abs=1e-3)
+
+
+def test_sparse_mla_layers_too_narrow_for_the_resident_group_are_refused():
+    with pytest.raises(ValueError, match="cannot be grouped at least as wide as the resident group"):
+        choose_mla_group_count(1, REAL_MLA_PAGE, REAL_MLA_PAGE + 2 * REAL_INDEXER_PAGE)
+
+
+# (layers, resident group width): indexer layers alone, or with an MTP drafter's two layers;
+# one target layer with a drafter is left out: it cannot be grouped (refused, tested above).
+GROUPABLE = [
+    (layers, layers * page + drafter * (REAL_MLA_PAGE + page))
+    for layers in (1, 2, 3, 7, 30, 61, 78)
+    for page in (132 * 64, 68 * 64)
+    for drafter in (0, 1)
+    if (layers, drafter) != (1, 1)
+]
+
+
+@pytest.mark.parametrize(("layers", "resident"), GROUPABLE)
+def test_the_choice_is_the_best_one_that_keeps_latent_rows_whole(layers, resident):
+    k = choose_mla_group_count(layers, REAL_MLA_PAGE, resident)
+    assert math.ceil(layers / k) * REAL_MLA_PAGE >= resident, "sparse-MLA groups are the widest"
     for other in range(1, layers + 1):
-        if math.ceil(layers / other) * REAL_MLA_PAGE >= indexer_width:
-            assert relative_capacity(other, layers, REAL_MLA_PAGE, indexer_width) <= relative_capacity(
-                k, layers, REAL_MLA_PAGE, indexer_width
+        if math.ceil(layers / other) * REAL_MLA_PAGE >= resident:
+            assert relative_capacity(other, layers, REAL_MLA_PAGE, resident) <= relative_capacity(
+                k, layers, REAL_MLA_PAGE, resident
             )

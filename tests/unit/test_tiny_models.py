@@ -130,6 +130,32 @@ def test_checkpoint_files_and_config(built):
     assert tm.TinyModelSpec.from_dict(json.loads((path / tm.SPEC_FILE).read_text())) == spec
 
 
+def test_mtp_layers_follow_the_decoder_layers_and_leave_them_unchanged(tiny_cache):
+    from safetensors.torch import load_file
+
+    plain = tm.TinyModelSpec()
+    mtp = dataclasses.replace(plain, num_nextn_predict_layers=1)
+    without = load_file(tm.tiny_model_dir(plain, tiny_cache) / "model.safetensors")
+    path = tm.tiny_model_dir(mtp, tiny_cache)
+    with_mtp = load_file(path / "model.safetensors")
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    n = plain.num_hidden_layers
+    added = sorted(set(with_mtp) - set(without))
+    assert all(name.startswith(f"model.layers.{n}.") for name in added)
+    for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head"):
+        assert f"model.layers.{n}.{part}.weight" in added
+    # A decoder layer shaped like the last one: attention, indexer and MoE MLP.
+    prefix = f"model.layers.{n - 1}."
+    last = {name[len(prefix) :]: t.shape for name, t in without.items() if name.startswith(prefix)}
+    assert {name: with_mtp[f"model.layers.{n}.{name}"].shape for name in last} == last
+    assert with_mtp[f"model.layers.{n}.eh_proj.weight"].shape == (plain.hidden_size, 2 * plain.hidden_size)
+    assert with_mtp[f"model.layers.{n}.mlp.gate.e_score_correction_bias"].dtype.is_floating_point
+    assert all(without[name].equal(with_mtp[name]) for name in without), "target weights unchanged"
+    # Seeded by name: the MTP layer's attention is not a copy of the last layer's.
+    name = "self_attn.kv_a_proj_with_mqa.weight"
+    assert not with_mtp[f"model.layers.{n}.{name}"].equal(without[f"model.layers.{n - 1}.{name}"])
+
+
 def test_tokenizer_and_config_agree_on_special_ids(built):
     from transformers import AutoConfig, AutoTokenizer
 

@@ -34,9 +34,12 @@ SPARSE_MLA_PAGE_TOKENS = 64
 FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
 # The default hot buffer holds this many times the model's index top-K rows.
 DEFAULT_HOT_BUFFER_TOPK_MULTIPLE = 2
-# Speculative methods whose drafts come without a model of their own: the target
-# model verifies them like a short prefill, which the resolver handles token by token.
-MODEL_FREE_DRAFTERS = ("ngram", "suffix")
+# Speculative methods HiSparse serves. The target model verifies any method's drafts
+# like a short prefill, which the resolver handles token by token. Model-free
+# drafters read no KV cache; an MTP drafter's layers stay resident (they join the
+# indexer group, see vllm/v1/hisparse/kv_grouping.py). Other draft models would
+# read demoted pages through their own, unwired, attention layers.
+SUPPORTED_SPECULATIVE_METHODS = ("ngram", "suffix", "mtp")
 
 
 @config
@@ -185,13 +188,13 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
 
     vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
     speculative = vllm_config.speculative_config
-    if speculative is not None and speculative.method not in MODEL_FREE_DRAFTERS:
+    if speculative is not None and speculative.method not in SUPPORTED_SPECULATIVE_METHODS:
         raise ValueError(
             f"hisparse_config does not support speculative_config method "
-            f"{speculative.method!r} in this build: its drafter (MTP or another draft "
-            "model) has sparse-MLA layers that are not wired to the HiSparse resolver, so "
-            "their reads of demoted pages would be wrong. Use a model-free method "
-            f"({', '.join(MODEL_FREE_DRAFTERS)}), or remove --speculative-config or "
+            f"{speculative.method!r} in this build: its draft model's attention layers are "
+            "not wired to HiSparse residency, so their reads of demoted pages would be "
+            f"wrong. Use one of {', '.join(SUPPORTED_SPECULATIVE_METHODS)} (mtp: the "
+            "checkpoint's own next-token layers), or remove --speculative-config or "
             "hisparse_config"
         )
     from vllm.v1.hisparse.scheduling import plans_executable

@@ -12,10 +12,16 @@ different page sizes overlay the same block bytes. A HiSparse page is then the
 k sparse-MLA blocks at one position, freed and restored together, and the
 indexer block at that position stays resident.
 
+An MTP drafter's layers (the checkpoint's own next-token layers, numbered after
+the target model's) join the indexer group, its sparse-MLA layer included:
+vLLM's proposer builds one set of attention metadata for all drafting layers,
+so they must share a group, and that group stays resident. HiSparse manages
+only the groups without an indexer layer (`hisparse_managed_group_ids`).
+
 k is chosen for capacity: every page costs k + 1 blocks of the widest group's
-width, so few wide groups waste the indexer group's share and many narrow
+width, so few wide groups waste the resident group's share and many narrow
 groups cost blocks; the sparse-MLA groups are kept at least as wide as the
-indexer group so a block stride is a whole number of latent rows.
+resident group so a block stride is a whole number of latent rows.
 
 It also owns the start-up capacity rule with HiSparse on: one request at
 max_model_len needs every indexer page on the device but only a few pages of
@@ -27,11 +33,17 @@ It never allocates memory; it only returns group specs and block counts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,22 +53,56 @@ logger = init_logger(__name__)
 INDEXER_LAYER_SUFFIX = ".indexer.k_cache"
 # Block-outermost: groups with different page sizes share each block's bytes.
 HISPARSE_KV_CACHE_LAYOUT = "BLHNC"
+# The decoder layer index in a layer name ("model.layers.78.self_attn.attn").
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def relative_capacity(num_groups: int, num_mla_layers: int, mla_page: int, indexer_width: int) -> float:
-    """Pages per byte with `num_groups` sparse-MLA groups, relative to one group for everything."""
-    widest = max(math.ceil(num_mla_layers / num_groups) * mla_page, indexer_width)
-    one_group = num_mla_layers * mla_page + indexer_width
+def hisparse_managed_group_ids(groups: Sequence[KVCacheGroupSpec]) -> tuple[int, ...]:
+    """The groups whose pages HiSparse moves: the target model's sparse-MLA layers.
+
+    The group holding the indexer layers (and an MTP drafter's layers) stays resident.
+    """
+    return tuple(
+        i for i, group in enumerate(groups)
+        if not any(name.endswith(INDEXER_LAYER_SUFFIX) for name in group.layer_names)
+    )
+
+
+def drafter_layer_names(vllm_config: VllmConfig, layer_names: Sequence[str]) -> list[str]:
+    """The KV cache layers of an MTP drafter, which vLLM numbers after the target model's layers."""
+    speculative = vllm_config.speculative_config
+    if speculative is None or speculative.method != "mtp":
+        return []
+    num_target_layers = vllm_config.model_config.hf_config.num_hidden_layers
+    return [
+        name for name in layer_names
+        if (match := _LAYER_INDEX.search(name)) is not None and int(match[1]) >= num_target_layers
+    ]
+
+
+def relative_capacity(num_groups: int, num_mla_layers: int, mla_page: int, resident_width: int) -> float:
+    """Pages per byte with `num_groups` sparse-MLA groups, relative to one group for everything.
+
+    `resident_width` is the page size of the resident group (indexer layers, and
+    an MTP drafter's layers).
+    """
+    widest = max(math.ceil(num_mla_layers / num_groups) * mla_page, resident_width)
+    one_group = num_mla_layers * mla_page + resident_width
     return one_group / ((num_groups + 1) * widest)
 
 
-def choose_mla_group_count(num_mla_layers: int, mla_page: int, indexer_width: int) -> int:
+def choose_mla_group_count(num_mla_layers: int, mla_page: int, resident_width: int) -> int:
     """The number of sparse-MLA groups that keeps the most capacity, MLA groups widest."""
     candidates = [
         k for k in range(1, num_mla_layers + 1)
-        if math.ceil(num_mla_layers / k) * mla_page >= indexer_width
+        if math.ceil(num_mla_layers / k) * mla_page >= resident_width
     ]
-    return max(candidates, key=lambda k: (relative_capacity(k, num_mla_layers, mla_page, indexer_width), -k))
+    if not candidates:
+        raise ValueError(
+            f"hisparse_config: {num_mla_layers} sparse-MLA layer(s) of {mla_page} bytes per page "
+            f"cannot be grouped at least as wide as the resident group ({resident_width} bytes)"
+        )
+    return max(candidates, key=lambda k: (relative_capacity(k, num_mla_layers, mla_page, resident_width), -k))
 
 
 def hisparse_kv_cache_groups(
@@ -78,27 +124,39 @@ def hisparse_kv_cache_groups(
             "hisparse_config needs the hybrid KV cache manager (separate groups for the "
             "sparse-MLA and indexer caches); remove --disable-hybrid-kv-cache-manager"
         )
+    # An MTP drafter's layers join the indexer layers in the resident group.
+    drafter = drafter_layer_names(vllm_config, list(kv_cache_spec))
+    mla = [name for name in mla if name not in drafter]
+    resident = indexer + [name for name in drafter if name not in indexer]
     mla_page = kv_cache_spec[mla[0]].page_size_bytes
-    indexer_width = sum(kv_cache_spec[name].page_size_bytes for name in indexer)
-    k = choose_mla_group_count(len(mla), mla_page, indexer_width)
+    resident_width = sum(kv_cache_spec[name].page_size_bytes for name in resident)
+    k = choose_mla_group_count(len(mla), mla_page, resident_width)
     per_group = math.ceil(len(mla) / k)
-    grouped = [mla[i : i + per_group] for i in range(0, len(mla), per_group)] + [indexer]
+    grouped = [mla[i : i + per_group] for i in range(0, len(mla), per_group)]
     logger.info(
-        "Hybrid HiSparse: %d sparse-MLA KV cache group(s) of up to %d layers plus one indexer "
-        "group (%.1f%% of single-group capacity).",
-        len(grouped) - 1,
+        "Hybrid HiSparse: %d sparse-MLA KV cache group(s) of up to %d layers plus one resident "
+        "group of the indexer%s layers (%.1f%% of single-group capacity).",
+        len(grouped),
         per_group,
-        100 * relative_capacity(len(grouped) - 1, len(mla), mla_page, indexer_width),
+        " and MTP drafter" if drafter else "",
+        100 * relative_capacity(len(grouped), len(mla), mla_page, resident_width),
     )
     from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
 
-    return create_kv_cache_group_specs(kv_cache_spec, grouped)
+    if not drafter:
+        return create_kv_cache_group_specs(kv_cache_spec, [*grouped, resident])
+    # The drafter's sparse-MLA and indexer layers differ in width: one group of uniform type.
+    resident_spec = UniformTypeKVCacheSpecs.from_specs({name: kv_cache_spec[name] for name in resident})
+    if resident_spec is None:
+        raise ValueError(f"hisparse_config: the indexer and MTP drafter layers {drafter} cannot be grouped")
+    return [*create_kv_cache_group_specs(kv_cache_spec, grouped), KVCacheGroupSpec(resident, resident_spec)]
 
 
 def hisparse_device_blocks_per_request(vllm_config: VllmConfig, groups: list[KVCacheGroupSpec]) -> int:
     """Device blocks one request at max_model_len holds at most with HiSparse residency.
 
-    The indexer group keeps every page of the context; each sparse-MLA group keeps
+    The resident group (indexer layers, an MTP drafter's layers) keeps every page
+    of the context; each sparse-MLA group HiSparse manages keeps
     the pages of the chunk being computed, the resident tail and the hot lease, as
     the residency manager leaves them; the rest of the context lives in the host pool.
     """
@@ -108,10 +166,11 @@ def hisparse_device_blocks_per_request(vllm_config: VllmConfig, groups: list[KVC
     assert hisparse is not None and hisparse.device_buffer_size is not None
     max_len = vllm_config.model_config.max_model_len
     chunk = min(vllm_config.scheduler_config.max_num_batched_tokens, max_len)
+    managed = hisparse_managed_group_ids(groups)
     total = 0
-    for group in groups:
+    for g, group in enumerate(groups):
         block_size = group.kv_cache_spec.block_size
-        if all(name.endswith(INDEXER_LAYER_SUFFIX) for name in group.layer_names):
+        if g not in managed:
             total += math.ceil(max_len / block_size)
         else:
             chunk_pages = math.ceil(chunk / block_size) + 1  # a chunk may straddle a page

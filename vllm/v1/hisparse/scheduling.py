@@ -24,6 +24,7 @@ queues.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.config.hisparse import host_pool_pages, sparse_mla_page_bytes
 from vllm.logger import init_logger
 from vllm.v1.hisparse.host_pool import HostPagePool
-from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
+from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.residency import PageCopy, PageState, RequestState, ResidencyManager
 
 if TYPE_CHECKING:
@@ -163,15 +164,11 @@ class HiSparseScheduling:
         assert config is not None and config.device_buffer_size is not None
         self.kv_cache_manager = scheduler.kv_cache_manager
         groups = self.kv_cache_manager.kv_cache_config.kv_cache_groups
-        self.mla_group_ids = tuple(
-            i
-            for i, g in enumerate(groups)
-            if not all(n.endswith(INDEXER_LAYER_SUFFIX) for n in g.layer_names)
-        )
+        self.mla_group_ids = hisparse_managed_group_ids(groups)
         self.other_group_ids = tuple(i for i in range(len(groups)) if i not in self.mla_group_ids)
         if not self.mla_group_ids or not self.other_group_ids:
             raise ValueError(
-                "Hybrid HiSparse needs separate sparse-MLA and indexer KV cache groups; got "
+                "Hybrid HiSparse needs sparse-MLA KV cache groups separate from the indexer's; got "
                 f"{[list(g.layer_names)[:2] for g in groups]}"
             )
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
@@ -247,7 +244,8 @@ class HiSparseScheduling:
         on the device (the indexer scores every token); the sparse-MLA page is
         taken from the device prefix cache when every group still has it, else
         from the host pool as a null placeholder. The first page neither holds
-        ends the hit. Host pages cost the request a hot lease, taken here.
+        ends the hit; with an EAGLE/MTP drafter the hit then drops its last page,
+        as upstream's does. Host pages cost the request a hot lease, taken here.
         """
         self._return_pending_lease(request.request_id)
         if not self.host_prefix_hits or num_tokens % self.block_size:
@@ -270,17 +268,28 @@ class HiSparseScheduling:
                     break
                 host_pages[position] = host_page
             pages.append((mla, other))
+        if pages and self.kv_cache_manager.use_eagle:
+            # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
+            # the hidden states it drafts from (the device hit already dropped one).
+            pages.pop()
+            host_pages.pop(start + len(pages), None)
+        if host_pages:
+            # Taking the lease may evict cached free blocks: pin the hit's blocks meanwhile.
+            pinned = [b for group in blocks.blocks for b in group]
+            pinned += [b for mla, other in pages for b in (mla or []) + other]
+            block_pool.touch(pinned)
+            lease = self.residency.lease()
+            block_pool.free_blocks(pinned)
+            if lease:
+                self._pending_hits[request.request_id] = (host_pages, lease)
+            else:
+                host_pages = {}
         if not host_pages:
-            return blocks, num_tokens
-        # Taking the lease may evict cached free blocks: pin the hit's blocks meanwhile.
-        pinned = [b for group in blocks.blocks for b in group]
-        pinned += [b for mla, other in pages for b in (mla or []) + other]
-        block_pool.touch(pinned)
-        lease = self.residency.lease()
-        block_pool.free_blocks(pinned)
-        if not lease:
-            return blocks, num_tokens
-        self._pending_hits[request.request_id] = (host_pages, lease)
+            # Without host pages only the pages every group still caches count (with a
+            # drafter, the device hit's dropped page can be one).
+            pages = list(itertools.takewhile(lambda page: page[0] is not None, pages))
+            if not pages:
+                return blocks, num_tokens
         extended = [list(group) for group in blocks.blocks]
         for mla, other in pages:
             for i, g in enumerate(mla_ids):

@@ -30,7 +30,7 @@ import torch
 from vllm.config.hisparse import host_pool_pages
 from vllm.logger import init_logger
 from vllm.v1.hisparse import scheduling
-from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
+from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.resolver import HotState, resolve_topk_slots
 
 if TYPE_CHECKING:
@@ -59,10 +59,6 @@ class StepResidency:
     # Hot-lease blocks, one tuple per sparse-MLA group in the plan's group order.
     hot_blocks: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
-    @property
-    def all_full(self) -> bool:
-        return not self.host_pages
-
 
 class HiSparseWorker:
     """The worker-side executor of Hybrid HiSparse plans for one model runner."""
@@ -72,11 +68,10 @@ class HiSparseWorker:
         config = vllm_config.attention_config.hisparse_config
         assert config is not None and config.device_buffer_size is not None
         groups = runner.kv_cache_config.kv_cache_groups
-        self.group_of_layer: dict[str, int] = {}
-        for g, group in enumerate(groups):
-            for name in group.layer_names:
-                if not name.endswith(INDEXER_LAYER_SUFFIX):
-                    self.group_of_layer[name] = g
+        # The layers whose pages move; the resident group (indexer, MTP drafter) reads in place.
+        self.group_of_layer: dict[str, int] = {
+            name: g for g in hisparse_managed_group_ids(groups) for name in groups[g].layer_names
+        }
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layers = list(self.group_of_layer)
         self.layer_index = {name: i for i, name in enumerate(self.layers)}
@@ -182,6 +177,10 @@ class HiSparseWorker:
             del self._hot[key]
 
     # -- the resolver, for the sparse-MLA backend ----------------------------------
+
+    def resolves(self, layer_name: str) -> bool:
+        """Whether this step's attention of `layer_name` goes through the resolver."""
+        return bool(self.step.host_pages) and layer_name in self.layer_index
 
     def resolve(
         self,

@@ -301,7 +301,7 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         req_ids = attn_metadata.req_id_per_token[:num_tokens]
         rows, stride_rows = latent_rows(kv_c_and_k_pe_cache)
         hisparse = active_hisparse_worker()
-        if hisparse is not None and not hisparse.step.all_full:
+        if hisparse is not None and hisparse.resolves(layer.layer_name):
             out = self._forward_hisparse(q, positions, req_ids, rows, stride_rows, attn_metadata, layer)
             return out, None
         slots = dsa_torch.positions_to_slots(
