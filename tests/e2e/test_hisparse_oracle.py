@@ -154,15 +154,22 @@ def offloading_turns(model, spec_name: str, **overrides):
 
 @pytest.mark.parametrize("spec_name", ["CPUOffloadingSpec", "TieringOffloadingSpec"])
 def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name):
-    """HiSparse demotes under pressure while the OffloadingConnector stores pages and, after
-    the device prefix cache is dropped between turns, loads them back: tokens and loaded
-    prefixes equal the connector-only run with a pool that holds everything."""
+    """HiSparse demotes under pressure while the OffloadingConnector stores the indexer K
+    cache; after the device prefix cache is dropped between turns, the connector loads the
+    indexer blocks and HiSparse restores the sparse-MLA pages of the same hit from its host
+    pool. Tokens and loaded prefixes equal the connector-only run with a pool that holds
+    everything, and the connector never stored a sparse-MLA page."""
     reference = offloading_turns(model, spec_name)
     tokens, tokens2, cached2, stats, preemptions, offload = offloading_turns(
         model, spec_name, attention_config=hisparse(), **PRESSURE
     )
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
     assert offload["vllm:kv_offload_store_bytes"] > 0 and offload["vllm:kv_offload_load_bytes"] > 0
+    assert stats["pages_restored"] > 0, "the connector's hits took their sparse-MLA pages from HiSparse"
+    # The connector-only run stores every layer of a page; this one only the indexer's
+    # group, one block (a sparse-MLA layer's width here) per page instead of all six layers.
+    store = "vllm:kv_offload_store_bytes"
+    assert offload[store] < reference[5][store] / 2
     assert sum(cached2) > 0, "the second turns loaded their prefixes"
     assert cached2 == reference[2]
     assert (tokens, tokens2) == reference[:2]

@@ -130,7 +130,7 @@ def test_demotion_plans_null_block_updates_and_a_residency_map_for_the_resolver(
             break
         observation = h.step()
         plan = observation.hisparse_plan
-        assert plan.version == 1 and plan.mla_group_ids == tuple(range(MLA_GROUPS))
+        assert plan.version == 2 and plan.mla_group_ids == tuple(range(MLA_GROUPS))
         for update in plan.block_table_updates:
             assert update.block_id == NULL_BLOCK_ID and update.group_id in plan.mla_group_ids
         for entry in plan.residency:

@@ -198,6 +198,51 @@ def test_a_host_only_prefix_starts_the_next_request_none():
     assert pool.num_free_blocks() == pool.num_blocks and mgr.host_pool.num_referenced == 0
 
 
+def test_restored_pages_start_both_and_are_the_first_relief_can_free():
+    hashes = ["h0", "h1", "h2", "h3"]
+    mgr, pool = manager(hot_rows=64)
+    mgr.add_request("a", block_hashes=hashes)
+    grow(mgr, pool, "a", 5, 5 * BLOCK - 1)
+    mgr.complete_copies(mgr.plan_copies())  # h0..h3 durable in the host pool
+    end(mgr, pool, "a")
+    hits = mgr.host_prefix(hashes)
+    assert len(hits) == 4
+    # A KV connector hit: blocks are allocated for the pages and filled from the host pool;
+    # the request registers (its first scheduled step) only after the connector's load.
+    for page in hits:
+        mgr.reserve_restore("b", page)
+    mgr.check()
+    blocks = pool.allocate_pages("b", 4, mgr.blocks_per_page)
+    mgr.add_request("b", block_hashes=hashes)
+    for block_ids, page in zip(blocks, hits, strict=True):
+        mgr.append_restored_page("b", block_ids, page)
+    grow(mgr, pool, "b", 1, 4 * BLOCK + 1)
+    assert [p.state for p in mgr.requests["b"].pages] == [PageState.BOTH] * 4 + [PageState.DEVICE]
+    assert mgr.requests["b"].state is RequestState.FULL and mgr.counters.pages_restored == 4
+    assert mgr.plan_copies() == [], "restored pages are durable already"
+    free_before = pool.num_free_blocks()
+    assert mgr.relieve_pressure(1) > 0, "they are freed without a copy"
+    assert pool.num_free_blocks() > free_before and mgr.requests["b"].state is RequestState.MIXED
+    mgr.check()
+    pool.check(mgr)
+    end(mgr, pool, "b")
+    assert pool.num_free_blocks() == pool.num_blocks and mgr.host_pool.num_referenced == 0
+
+
+def test_a_request_that_ends_before_its_restore_registers_returns_the_host_pages():
+    mgr, pool = manager()
+    mgr.add_request("a", block_hashes=["h0"])
+    grow(mgr, pool, "a", 2, 2 * BLOCK)
+    mgr.complete_copies(mgr.plan_copies())
+    end(mgr, pool, "a")
+    mgr.reserve_restore("b", mgr.host_prefix(["h0"])[0])
+    assert mgr.host_pool.num_referenced == 1
+    mgr.check()
+    mgr.finish("b")  # aborted while the connector was still loading
+    assert mgr.host_pool.num_referenced == 0
+    mgr.check()
+
+
 def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
     mgr, pool = manager()
     mgr.add_request("a", block_hashes=["x"])
@@ -278,19 +323,29 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.tokens: dict[str, int] = {}
 
-    @rule(shared_prefix=st.integers(0, 3))
-    def add(self, shared_prefix):
+    @rule(shared_prefix=st.integers(0, 3), restore=st.booleans())
+    def add(self, shared_prefix, restore):
+        """A new request; a host-only prefix is taken as placeholders plus a hot lease, or
+        (`restore`, a KV connector hit) restored into newly allocated blocks."""
         name = f"r{self.next_id}"
         self.next_id += 1
         hashes = [f"p{i}" for i in range(shared_prefix)] + [f"{name}-{i}" for i in range(4)]
-        self.mgr.add_request(name, hashes)
         hits = self.mgr.host_prefix(hashes)
-        lease = self.mgr.lease() if hits else []
-        if not lease:
-            hits = []  # no room for a hot buffer: the prefix is recomputed
-        self.pool.add_placeholders(name, len(hits))
-        if hits:
-            self.mgr.append_host_pages(name, hits, lease)
+        if restore and hits and len(hits) * self.mgr.blocks_per_page <= self.pool.num_free_blocks():
+            for page in hits:
+                self.mgr.reserve_restore(name, page)
+            blocks = self.pool.allocate_pages(name, len(hits), self.mgr.blocks_per_page)
+            self.mgr.add_request(name, hashes)
+            for block_ids, page in zip(blocks, hits, strict=True):
+                self.mgr.append_restored_page(name, block_ids, page)
+        else:
+            self.mgr.add_request(name, hashes)
+            lease = self.mgr.lease() if hits else []
+            if not lease:
+                hits = []  # no room for a hot buffer: the prefix is recomputed
+            self.pool.add_placeholders(name, len(hits))
+            if hits:
+                self.mgr.append_host_pages(name, hits, lease)
         self.tokens[name] = len(hits) * BLOCK
         self.mgr.advance(name, self.tokens[name])
 

@@ -157,6 +157,7 @@ class ResidencyCounters:
     blocks_freed_under_pressure: int = 0
     hot_leases: int = 0
     host_prefix_pages_reused: int = 0
+    pages_restored: int = 0
     preemptions_avoided: int = 0
 
 
@@ -185,6 +186,8 @@ class ResidencyManager:
         self.requests: dict[str, RequestResidency] = {}
         # Copies still in flight for requests that already ended: (held blocks, host page, hash).
         self._orphans: dict[tuple[str, int], tuple[tuple[int, ...], int, Hashable | None]] = {}
+        # Host pages held for restores into requests' blocks, until the pages are appended.
+        self._restoring: dict[str, list[int]] = {}
         self.counters = ResidencyCounters()
 
     # -- request lifecycle ---------------------------------------------------
@@ -236,6 +239,26 @@ class ResidencyManager:
                 raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
         self.requests[request_id].pages.extend(Page(block_ids=tuple(b)) for b in pages)
 
+    def reserve_restore(self, request_id: str, host_page: int) -> None:
+        """Hold `host_page` for a page about to be restored into a request's new blocks.
+
+        The request need not be registered yet (it may wait for a KV connector's
+        load); `append_restored_page` or `finish` takes the reference back.
+        """
+        self.host_pool.retain(host_page)
+        self._restoring.setdefault(request_id, []).append(host_page)
+        self.counters.pages_restored += 1
+
+    def append_restored_page(self, request_id: str, block_ids: Sequence[int], host_page: int) -> None:
+        """A new page whose device blocks were filled from a reserved host page: BOTH at once."""
+        if len(block_ids) != self.blocks_per_page:
+            raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
+        reserved = self._restoring.get(request_id, [])
+        reserved.remove(host_page)  # ValueError if it was never reserved
+        if not reserved:
+            self._restoring.pop(request_id, None)
+        self.requests[request_id].pages.append(Page(block_ids=tuple(block_ids), host_page=host_page))
+
     def advance(self, request_id: str, num_stable_tokens: int) -> None:
         """Tokens computed and committed: pages wholly below this may be copied and demoted."""
         req = self.requests[request_id]
@@ -247,6 +270,8 @@ class ResidencyManager:
         Its page blocks are the block table's to free; a page still being copied
         keeps one held reference until its copy lands or is cancelled.
         """
+        for host_page in self._restoring.pop(request_id, ()):
+            self.host_pool.release(host_page)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -264,8 +289,10 @@ class ResidencyManager:
     def plan_copies(self) -> list[PageCopy]:
         """Device->host copies for this step's post-forward launch, bounded per step.
 
-        Pages marked for demotion go first, then (mode "always") every completed
-        page, then (proactive copy) completed pages of FULL requests. Mode
+        Pages marked for demotion go first, then (mode "always" or proactive
+        copy) every completed page. MIXED and NONE requests get proactive copies
+        too: a later request's host prefix hit, or a KV connector hit, needs every
+        page of the prefix in the host pool. Mode
         "always" also demotes, without pressure, every copied page that has left
         the resident tail.
         """
@@ -277,7 +304,7 @@ class ResidencyManager:
                     self._demote(req, settled)
         wanted: list[tuple[RequestResidency, int]] = []
         for req in self.requests.values():
-            eager = self.mode == "always" or (self.proactive_copy and req.state is RequestState.FULL)
+            eager = self.mode == "always" or self.proactive_copy
             for index, page in enumerate(req.pages[: req.num_complete_pages]):
                 if page.state is PageState.DEVICE and not page.copying:
                     if page.demote_when_copied or eager:
@@ -476,6 +503,8 @@ class ResidencyManager:
                 if page.host_page is not None:
                     host_refs[page.host_page] = host_refs.get(page.host_page, 0) + 1
         for _, host_page, _ in self._orphans.values():
+            host_refs[host_page] = host_refs.get(host_page, 0) + 1
+        for host_page in (page for pages in self._restoring.values() for page in pages):
             host_refs[host_page] = host_refs.get(host_page, 0) + 1
         for host_page, refs in host_refs.items():
             assert self.host_pool.refs(host_page) == refs, f"host page {host_page} refs disagree"

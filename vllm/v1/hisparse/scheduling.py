@@ -11,9 +11,14 @@ scheduler process:
 - prefix hits from the host pool: a waiting request whose prefix pages live
   only in the host pool (its indexer blocks still cached on the device) takes
   them as placeholders plus a hot lease and starts NONE instead of recomputing;
+- KV connector hits: the OffloadingConnector handles every group but the
+  sparse-MLA ones (see offloading.py), so its hit is limited to pages the host
+  pool holds, and those pages are restored from the host pool into the blocks
+  allocated for the hit;
 - the step plan that crosses to the workers in `SchedulerOutput.hisparse_plan`
-  (copies to run after the forward, block-table point updates, the residency
-  map of every request that is not FULL), and the workers' copy reports from
+  (host->device restores and block-table point updates to apply before the
+  forward, copies to run after it, the residency map of every request that is
+  not FULL), and the workers' copy reports from
   `ModelRunnerOutput.hisparse_copied`.
 
 Workers that do not execute plans report nothing; their step's copies are
@@ -45,7 +50,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 1
+HISPARSE_PLAN_VERSION = 2
 
 # Whether the workers execute residency plans, when set (a test harness that
 # plays the worker sets it); None decides by platform, see plans_executable().
@@ -79,6 +84,16 @@ class BlockTableUpdate:
 
 
 @dataclass(frozen=True)
+class PageRestore:
+    """One page, all sparse-MLA layers, host -> device before the forward (a KV connector hit)."""
+
+    request_id: str
+    page_index: int
+    block_ids: tuple[int, ...]  # one per sparse-MLA group, in the plan's group order
+    host_page: int
+
+
+@dataclass(frozen=True)
 class RequestResidencyMap:
     """What the resolver needs for one request that is not FULL."""
 
@@ -97,6 +112,8 @@ class HiSparseStepPlan:
     copies: tuple[PageCopy, ...]
     # Applied before this step's forward, in order.
     block_table_updates: tuple[BlockTableUpdate, ...]
+    # Host -> device, before this step's forward.
+    restores: tuple[PageRestore, ...]
     # Only requests with HOST pages; empty means every request is FULL (the fast path).
     residency: tuple[RequestResidencyMap, ...]
 
@@ -104,16 +121,11 @@ class HiSparseStepPlan:
 class KVCacheBlockAccess:
     """The KV cache manager's block pool and block tables, as residency sees them."""
 
-    def __init__(
-        self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int], connector: Any = None
-    ) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int]) -> None:
         self.block_pool = kv_cache_manager.block_pool
         self.managers = [kv_cache_manager.coordinator.single_type_managers[g] for g in mla_group_ids]
         self.mla_group_ids = tuple(mla_group_ids)
         self.updates: list[BlockTableUpdate] = []
-        # A KV connector keeps its own copy of each request's block ids; one that can
-        # be told (the OffloadingConnector) stops storing from a demoted page's blocks.
-        self.connector = connector if hasattr(connector, "drop_block_ids") else None
 
     def _blocks(self, block_ids: Sequence[int]):
         return [self.block_pool.blocks[b] for b in block_ids]
@@ -148,8 +160,6 @@ class KVCacheBlockAccess:
             table[page_index] = null_block
             dropped.append(block)
             self.updates.append(BlockTableUpdate(request_id, group_id, page_index, null_block.block_id))
-            if self.connector is not None:
-                self.connector.drop_block_ids(request_id, group_id, [page_index])
         free_before = self.block_pool.get_num_free_blocks()
         self.block_pool.free_blocks(dropped)
         return self.block_pool.get_num_free_blocks() - free_before
@@ -172,7 +182,7 @@ class HiSparseScheduling:
                 f"{[list(g.layer_names)[:2] for g in groups]}"
             )
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
-        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids, scheduler.connector)
+        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
         num_host_pages = host_pool_pages(vllm_config)
         self.residency = ResidencyManager(
             self.blocks,
@@ -190,6 +200,11 @@ class HiSparseScheduling:
         self._in_flight: dict[tuple[str, int], PageCopy] = {}
         # Host prefix hits found this step, claimed when the request is scheduled.
         self._pending_hits: dict[str, tuple[dict[int, int], list[int]]] = {}
+        # KV connector hits: host pages found (page index -> host page), then, once
+        # blocks are allocated, the pages restored into them until they are registered.
+        self._connector_hits: dict[str, dict[int, int]] = {}
+        self._restored: dict[str, dict[int, int]] = {}
+        self._restores: list[PageRestore] = []
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
         self.rows_loaded = 0
@@ -299,9 +314,49 @@ class HiSparseScheduling:
         new_blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
         return new_blocks, num_tokens + len(pages) * self.block_size
 
+    def cap_external_hit(self, request: Request, num_local_tokens: int, num_external_tokens: int) -> int:
+        """A KV connector's hit past the local one, limited to what HiSparse can restore.
+
+        The connector loads only the groups HiSparse does not manage, so every page
+        of its hit needs its sparse-MLA content from the host pool: the hit stands
+        if the host pool holds every one of its pages, else nothing is loaded (the
+        connector's hits are whole chunks, which a shorter hit could split).
+        """
+        self._connector_hits.pop(request.request_id, None)
+        if num_external_tokens <= 0:
+            return num_external_tokens
+        end = num_local_tokens + num_external_tokens
+        if not (self.issue_plans and self.host_prefix_hits) or num_local_tokens % self.block_size:
+            return 0
+        host_pages = {}
+        for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
+            if position >= len(request.block_hashes):
+                return 0  # a partial page: its sparse-MLA rows were never copied
+            host_page = self.residency.host_pool.lookup(request.block_hashes[position])
+            if host_page is None:
+                return 0
+            host_pages[position] = host_page
+        self._connector_hits[request.request_id] = host_pages
+        return num_external_tokens
+
+    def restore_external_pages(self, request: Request, num_external_tokens: int) -> None:
+        """Blocks are allocated for the connector's hit: restore its sparse-MLA pages into them."""
+        host_pages = self._connector_hits.pop(request.request_id, None)
+        if not host_pages or num_external_tokens <= 0:
+            return
+        tables = [m.req_to_blocks[request.request_id] for m in self.blocks.managers]
+        restored = self._restored.setdefault(request.request_id, {})
+        for position, host_page in host_pages.items():
+            self.residency.reserve_restore(request.request_id, host_page)
+            restored[position] = host_page
+            block_ids = tuple(t[position].block_id for t in tables)
+            self._restores.append(PageRestore(request.request_id, position, block_ids, host_page))
+
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self._return_pending_lease(request.request_id)
+        self._connector_hits.pop(request.request_id, None)
+        self._restored.pop(request.request_id, None)
         self.residency.finish(request.request_id)
 
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
@@ -324,11 +379,13 @@ class HiSparseScheduling:
             if req is not None and req.state is not RequestState.FULL:
                 self.speculative_steps_with_host_pages += 1
         updates, self.blocks.updates = self.blocks.updates, []
+        restores, self._restores = self._restores, []
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
             mla_group_ids=self.mla_group_ids,
             copies=tuple(copies),
             block_table_updates=tuple(updates),
+            restores=tuple(restores),
             residency=self._residency_maps(),
         )
 
@@ -374,13 +431,18 @@ class HiSparseScheduling:
         tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
         pending = self._pending_hits.pop(request_id, None)
         host_pages, lease = pending if pending is not None else ({}, [])
+        restored = self._restored.pop(request_id, {})
         for position in range(len(req.pages), len(tables[0])):
+            block_ids = tuple(t[position].block_id for t in tables)
             if position in host_pages:
                 residency.append_host_pages(request_id, [host_pages.pop(position)], lease)
                 lease = []
+            elif position in restored:
+                residency.append_restored_page(request_id, block_ids, restored.pop(position))
             else:
-                residency.append_pages(request_id, [tuple(t[position].block_id for t in tables)])
+                residency.append_pages(request_id, [block_ids])
         assert not host_pages, f"{request_id}: host pages {host_pages} beyond its block table"
+        assert not restored, f"{request_id}: restored pages {restored} beyond its block table"
         if lease:  # the scheduler did not take the hit after all
             residency.allocator.give_back(lease)
         stable = min(request.num_computed_tokens, request.num_tokens)
@@ -427,6 +489,8 @@ class HiSparseScheduling:
             pages_demoted=counters.pages_demoted,
             hot_leases=counters.hot_leases,
             host_prefix_pages_reused=counters.host_prefix_pages_reused,
+            # Pages of KV connector hits restored from the host pool.
+            pages_restored=counters.pages_restored,
             preemptions_avoided=counters.preemptions_avoided,
             copies_in_flight=len(self._in_flight),
             # Rows the workers' resolvers loaded host -> device (hot-buffer misses).

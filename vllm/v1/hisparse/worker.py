@@ -6,9 +6,10 @@ Owns, per worker:
   [sparse-MLA layer, host page, 64 rows, latent width], so one page of every
   sparse-MLA layer is `pool[:, page]` and each layer's pool is plain rows for
   the resolver (pinned memory on CUDA, plain memory on CPU);
-- applying a step's block-table point updates (a demoted page's entries become
-  the null block) to the runner's request states and persistent batch, before
-  the step's metadata is built;
+- before the step's metadata is built: the step's host->device restores (the
+  sparse-MLA pages of a KV connector hit, into the blocks allocated for them)
+  and its block-table point updates (a demoted page's entries become the null
+  block) to the runner's request states and persistent batch;
 - the step's residency view for the sparse-MLA backend (`StepResidency`): per
   request its HOST pages and hot-buffer rows, and per request and layer the hot
   state the resolver keeps across steps;
@@ -127,6 +128,7 @@ class HiSparseWorker:
                 f"HiSparse plan version {plan.version}, this worker executes version "
                 f"{scheduling.HISPARSE_PLAN_VERSION}: scheduler and worker builds differ"
             )
+        self._run_restores(plan)
         runner = self.runner
         touched: set[str] = set()
         for update in plan.block_table_updates:
@@ -171,6 +173,14 @@ class HiSparseWorker:
                 )
             done.append((page_copy.request_id, page_copy.page_index))
         return done
+
+    def _run_restores(self, plan: HiSparseStepPlan) -> None:
+        for restore in plan.restores:
+            for name in self.layers:
+                block = restore.block_ids[plan.mla_group_ids.index(self.group_of_layer[name])]
+                self.kv_caches[name][block].copy_(
+                    self.host_pool[self.layer_index[name], restore.host_page], non_blocking=False
+                )
 
     def _forget(self, request_id: str) -> None:
         for key in [k for k in self._hot if k[0] == request_id]:
