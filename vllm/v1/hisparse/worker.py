@@ -32,11 +32,15 @@ from vllm.config.hisparse import host_pool_pages
 from vllm.logger import init_logger
 from vllm.v1.hisparse import scheduling
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
+from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.resolver import HotState, resolve_topk_slots
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.hisparse.scheduling import HiSparseStepPlan
+    from vllm.v1.hisparse.residency import PageCopy
+    from vllm.v1.hisparse.scheduling import HiSparseStepPlan, PageRestore
     from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -81,6 +85,7 @@ class HiSparseWorker:
             name: kv_caches[name][:, 0] if kv_caches[name].dim() == 4 else kv_caches[name]
             for name in self.layers
         }
+        self.kv_cache_list = [self.kv_caches[name] for name in self.layers]
         first = self.kv_caches[self.layers[0]]
         self.block_size = first.shape[1]
         width = first.shape[2]
@@ -163,24 +168,27 @@ class HiSparseWorker:
         return output
 
     def _run_copies(self, plan: HiSparseStepPlan) -> list[tuple[str, int]]:
-        done = []
-        for page_copy in plan.copies:
-            for name in self.layers:
-                g = self.group_of_layer[name]
-                block = page_copy.block_ids[plan.mla_group_ids.index(g)]
-                self.host_pool[self.layer_index[name], page_copy.host_page].copy_(
-                    self.kv_caches[name][block], non_blocking=False
-                )
-            done.append((page_copy.request_id, page_copy.page_index))
-        return done
+        """Every planned page of every sparse-MLA layer to the host pool, in one batched copy."""
+        self._copy_pages(plan, plan.copies, to_host=True)
+        if plan.copies and self.host_pool.is_pinned() and torch.cuda.is_available():
+            # Reported copies must be durable: wait for the launch on the model's stream.
+            torch.cuda.current_stream().synchronize()
+        return [(page_copy.request_id, page_copy.page_index) for page_copy in plan.copies]
 
     def _run_restores(self, plan: HiSparseStepPlan) -> None:
-        for restore in plan.restores:
-            for name in self.layers:
-                block = restore.block_ids[plan.mla_group_ids.index(self.group_of_layer[name])]
-                self.kv_caches[name][block].copy_(
-                    self.host_pool[self.layer_index[name], restore.host_page], non_blocking=False
-                )
+        """Host -> device into a connector hit's blocks, ordered before the forward."""
+        self._copy_pages(plan, plan.restores, to_host=False)
+
+    def _copy_pages(
+        self, plan: HiSparseStepPlan, pages: Sequence[PageCopy | PageRestore], to_host: bool
+    ) -> None:
+        if not pages:
+            return
+        # Column l: the block of each page in layer l's sparse-MLA group.
+        column = [plan.mla_group_ids.index(self.group_of_layer[name]) for name in self.layers]
+        block_ids = torch.tensor([[page.block_ids[c] for c in column] for page in pages], dtype=torch.int64)
+        host_pages = torch.tensor([page.host_page for page in pages], dtype=torch.int64)
+        copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host)
 
     def _forget(self, request_id: str) -> None:
         for key in [k for k in self._hot if k[0] == request_id]:

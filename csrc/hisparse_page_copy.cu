@@ -1,0 +1,61 @@
+// SPDX-License-Identifier: Apache-2.0
+// Hybrid HiSparse batched page copy: pages of every sparse-MLA layer between the
+// device KV cache and the pinned host pool, in one launch.
+//
+// The semantics are those of the torch reference, vllm/v1/hisparse/page_copy.py
+// (copy_pages): for page n and layer l, the layer's block block_ids[n, l] and the
+// host pool's slot [l, host_pages[n]] hold the same bytes afterwards, copied in
+// the requested direction. One thread block copies one (page, layer) pair; the
+// host pool is pinned memory read or written through its device mapping, so the
+// copy is ordered on the launching stream like any kernel (no separate DMA
+// queue to synchronise with the forward).
+//
+// This file has no torch dependency so it compiles with plain nvcc; the torch
+// binding is csrc/hisparse_ops.cpp.
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "hisparse_page_copy.h"
+
+namespace hisparse {
+
+namespace {
+
+template <typename word_t>
+__global__ void copy_pages_kernel(PageCopyArgs args) {
+  const int64_t n = blockIdx.x / args.num_layers;
+  const int64_t l = blockIdx.x % args.num_layers;
+  const int64_t block = args.block_ids[n * args.num_layers + l];
+  char* device_page = reinterpret_cast<char*>(args.layer_base[l]) + block * args.layer_block_stride[l];
+  char* host_page =
+      args.host_pool + l * args.host_layer_stride + args.host_pages[n] * args.host_page_stride;
+  const word_t* src = reinterpret_cast<const word_t*>(args.to_host ? device_page : host_page);
+  word_t* dst = reinterpret_cast<word_t*>(args.to_host ? host_page : device_page);
+  const int64_t words = args.page_bytes / static_cast<int64_t>(sizeof(word_t));
+  for (int64_t w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+}
+
+bool aligned(int64_t value, int64_t alignment) { return value % alignment == 0; }
+
+}  // namespace
+
+cudaError_t launch_copy_pages(const PageCopyArgs& args, cudaStream_t stream) {
+  if (args.num_pages == 0 || args.num_layers == 0) return cudaSuccess;
+  // 16-byte words when every page start is 16-byte aligned (the usual case: 64 rows
+  // of a 576- or 656-byte latent), bytes otherwise.
+  const bool wide = args.device_aligned16 && aligned(args.page_bytes, 16) &&
+              aligned(args.host_layer_stride, 16) &&
+              aligned(args.host_page_stride, 16) &&
+              aligned(reinterpret_cast<int64_t>(args.host_pool), 16);
+  const dim3 grid(static_cast<unsigned>(args.num_pages * args.num_layers));
+  if (wide) {
+    copy_pages_kernel<uint4><<<grid, kThreadsPerPageCopy, 0, stream>>>(args);
+  } else {
+    copy_pages_kernel<uint8_t><<<grid, kThreadsPerPageCopy, 0, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace hisparse

@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: Apache-2.0
+// Launcher interface of the HiSparse batched page copy (hisparse_page_copy.cu).
+// Plain CUDA types only, so the kernel builds without torch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace hisparse {
+
+constexpr int kThreadsPerPageCopy = 256;
+
+struct PageCopyArgs {
+  // Per sparse-MLA layer: the device address of its KV cache block 0 and the bytes
+  // between consecutive blocks (a block-outermost layout strides past other groups).
+  const int64_t* layer_base;          // [num_layers], device addresses
+  const int64_t* layer_block_stride;  // [num_layers], bytes
+  // The host pool, [layer, host page, page_bytes], mapped into the device address space.
+  char* host_pool;
+  int64_t host_layer_stride;  // bytes
+  int64_t host_page_stride;   // bytes
+  const int64_t* block_ids;   // [num_pages, num_layers]: device block of page n in layer l
+  const int64_t* host_pages;  // [num_pages]
+  int64_t num_pages;
+  int64_t num_layers;
+  int64_t page_bytes;  // one layer's page: block_size rows of the latent width
+  bool to_host;        // device -> host (a post-forward copy) or host -> device (a restore)
+  // Every layer_base and layer_block_stride is a multiple of 16 (checked on the host,
+  // where they are known; the launcher checks the rest).
+  bool device_aligned16;
+};
+
+// One launch for every page and every layer, ordered on `stream`.
+cudaError_t launch_copy_pages(const PageCopyArgs& args, cudaStream_t stream);
+
+}  // namespace hisparse
