@@ -152,20 +152,29 @@ def offloading_turns(model, spec_name: str, **overrides):
             leftover.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("spec_name", ["CPUOffloadingSpec", "TieringOffloadingSpec"])
-def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name):
+@pytest.mark.parametrize(
+    ("spec_name", "mode"),
+    [("CPUOffloadingSpec", "hybrid"), ("TieringOffloadingSpec", "hybrid"), ("CPUOffloadingSpec", "always")],
+)
+def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name, mode):
     """HiSparse demotes under pressure while the OffloadingConnector stores the indexer K
     cache; after the device prefix cache is dropped between turns, the connector loads the
-    indexer blocks and HiSparse restores the sparse-MLA pages of the same hit from its host
-    pool. Tokens and loaded prefixes equal the connector-only run with a pool that holds
-    everything, and the connector never stored a sparse-MLA page."""
+    indexer blocks and HiSparse serves the sparse-MLA pages of the same hit from its host
+    pool: restored into the hit's blocks where the pool has room (hybrid), or left on the
+    host with the request starting NONE (always). Tokens and loaded prefixes equal the
+    connector-only run with a pool that holds everything, and the connector never stored a
+    sparse-MLA page."""
     reference = offloading_turns(model, spec_name)
     tokens, tokens2, cached2, stats, preemptions, offload = offloading_turns(
-        model, spec_name, attention_config=hisparse(), **PRESSURE
+        model, spec_name, attention_config=hisparse(mode), **PRESSURE
     )
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
     assert offload["vllm:kv_offload_store_bytes"] > 0 and offload["vllm:kv_offload_load_bytes"] > 0
-    assert stats["pages_restored"] > 0, "the connector's hits took their sparse-MLA pages from HiSparse"
+    if mode == "hybrid":
+        assert stats["pages_restored"] > 0, "a connector hit took its sparse-MLA pages back to the device"
+    else:
+        assert stats["pages_restored"] == 0 and stats["request_steps_none"] > 0
+        assert stats["host_prefix_pages_reused"] > 0, "connector hits started NONE on host pages"
     # The connector-only run stores every layer of a page; this one only the indexer's
     # group, one block (a sparse-MLA layer's width here) per page instead of all six layers.
     store = "vllm:kv_offload_store_bytes"

@@ -39,6 +39,7 @@ from vllm.logger import init_logger
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.residency import PageCopy, PageState, RequestState, ResidencyManager
+from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -314,30 +315,67 @@ class HiSparseScheduling:
         new_blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
         return new_blocks, num_tokens + len(pages) * self.block_size
 
-    def cap_external_hit(self, request: Request, num_local_tokens: int, num_external_tokens: int) -> int:
-        """A KV connector's hit past the local one, limited to what HiSparse can restore.
+    def cap_external_hit(
+        self,
+        request: Request,
+        new_computed_blocks: KVCacheBlocks,
+        num_local_tokens: int,
+        num_external_tokens: int,
+    ) -> tuple[KVCacheBlocks, int]:
+        """A KV connector's hit past the local one, as HiSparse can serve it.
 
         The connector loads only the groups HiSparse does not manage, so every page
         of its hit needs its sparse-MLA content from the host pool: the hit stands
         if the host pool holds every one of its pages, else nothing is loaded (the
-        connector's hits are whole chunks, which a shorter hit could split).
+        connector's hits are whole chunks, which a shorter hit could split). Then,
+        in hybrid mode with room in the pool (the restored pages take at most half
+        of the free blocks), the pages are restored into the blocks allocated for
+        the hit (`restore_external_pages`); otherwise they stay in the host pool:
+        the local hit's blocks gain null placeholders for them in the sparse-MLA
+        groups, and the request takes a hot lease and starts NONE, as on a host
+        prefix hit. Returns the (possibly extended) local hit blocks and the hit.
         """
-        self._connector_hits.pop(request.request_id, None)
+        request_id = request.request_id
+        self._connector_hits.pop(request_id, None)
         if num_external_tokens <= 0:
-            return num_external_tokens
-        end = num_local_tokens + num_external_tokens
+            return new_computed_blocks, num_external_tokens
         if not (self.issue_plans and self.host_prefix_hits) or num_local_tokens % self.block_size:
-            return 0
-        host_pages = {}
+            return new_computed_blocks, 0
+        end = num_local_tokens + num_external_tokens
+        host_pages: dict[int, int] = {}
         for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
             if position >= len(request.block_hashes):
-                return 0  # a partial page: its sparse-MLA rows were never copied
+                return new_computed_blocks, 0  # a partial page: its sparse-MLA rows were never copied
             host_page = self.residency.host_pool.lookup(request.block_hashes[position])
             if host_page is None:
-                return 0
+                return new_computed_blocks, 0
             host_pages[position] = host_page
-        self._connector_hits[request.request_id] = host_pages
-        return num_external_tokens
+        pending = self._pending_hits.get(request_id)
+        restore_blocks = len(host_pages) * len(self.mla_group_ids)
+        if (
+            pending is None
+            and self.residency.mode == "hybrid"
+            and restore_blocks <= self.blocks.num_free_blocks() // 2
+        ):
+            self._connector_hits[request_id] = host_pages
+            return new_computed_blocks, num_external_tokens
+        if pending is None:
+            # Taking the lease may evict cached free blocks: pin the local hit meanwhile.
+            block_pool = self.kv_cache_manager.block_pool
+            pinned = [b for group in new_computed_blocks.blocks for b in group]
+            block_pool.touch(pinned)
+            lease = self.residency.lease()
+            block_pool.free_blocks(pinned)
+            if not lease:
+                return new_computed_blocks, 0
+            pending = ({}, lease)
+            self._pending_hits[request_id] = pending
+        pending[0].update(host_pages)
+        null_block = self.kv_cache_manager.block_pool.null_block
+        extended = [list(group) for group in new_computed_blocks.blocks]
+        for g in self.mla_group_ids:
+            extended[g].extend([null_block] * len(host_pages))
+        return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
 
     def restore_external_pages(self, request: Request, num_external_tokens: int) -> None:
         """Blocks are allocated for the connector's hit: restore its sparse-MLA pages into them."""
@@ -362,8 +400,10 @@ class HiSparseScheduling:
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
         for request_id in list(self._pending_hits):
-            if request_id not in scheduler_output.num_scheduled_tokens:
-                self._return_pending_lease(request_id)
+            request = scheduler.requests.get(request_id)
+            waits_for_load = request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if request_id not in scheduler_output.num_scheduled_tokens and not waits_for_load:
+                self._return_pending_lease(request_id)  # the scheduler did not take the hit
         for request_id in scheduler_output.num_scheduled_tokens:
             self._sync_request(scheduler.requests[request_id])
         copies: list[PageCopy] = []
