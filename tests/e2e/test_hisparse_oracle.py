@@ -184,6 +184,25 @@ def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name
     assert (tokens, tokens2) == reference[:2]
 
 
+def test_where_plans_do_not_run_the_connector_keeps_every_group(model, monkeypatch):
+    """The CUDA backends of this build do not resolve through HiSparse, so there the
+    sparse-MLA cache stays resident: the connector must then store and load every group,
+    as without HiSparse, or prefixes would never come back. Played on CPU by declaring
+    that workers do not execute plans."""
+    from vllm.v1.hisparse import scheduling
+
+    reference = offloading_turns(model, "CPUOffloadingSpec")
+    monkeypatch.setattr(scheduling, "workers_execute_plans", False)
+    tokens, tokens2, cached2, stats, _, offload = offloading_turns(
+        model, "CPUOffloadingSpec", attention_config=hisparse()
+    )
+    assert stats["pages_demoted"] == 0 and stats["pages_restored"] == 0 and stats["rows_loaded"] == 0
+    store = "vllm:kv_offload_store_bytes"
+    assert offload[store] > reference[5][store] / 2, "sparse-MLA pages went through the connector"
+    assert sum(cached2) > 0 and cached2 == reference[2]
+    assert (tokens, tokens2) == reference[:2]
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 

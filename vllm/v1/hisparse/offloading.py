@@ -11,8 +11,9 @@ crosses into it is narrowed to those groups.
 
 A connector hit then covers only the connector's groups; the scheduler side
 of HiSparse (`HiSparseScheduling.cap_external_hit`) limits it to pages whose
-sparse-MLA content the host pool holds and restores those pages into the
-blocks allocated for them.
+sparse-MLA content the host pool holds and serves those pages from there.
+Where residency plans do not run (the CUDA backends of this build), the
+connector keeps every group, as upstream.
 
 It never touches tensors or the connector's state; it only filters.
 """
@@ -38,8 +39,14 @@ T = TypeVar("T")
 def hisparse_connector_view(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> tuple[tuple[int, ...] | None, KVCacheConfig]:
-    """(the connector's group ids, its KV cache config); (None, unchanged) with HiSparse off."""
-    if vllm_config.attention_config.hisparse_config is None:
+    """(the connector's group ids, its KV cache config); (None, unchanged) with HiSparse off.
+
+    Where the workers do not execute residency plans (see `plans_executable`), the
+    sparse-MLA cache stays resident and the connector keeps handling every group.
+    """
+    from vllm.v1.hisparse.scheduling import plans_executable
+
+    if vllm_config.attention_config.hisparse_config is None or not plans_executable():
         return None, kv_cache_config
     groups = kv_cache_config.kv_cache_groups
     managed = set(hisparse_managed_group_ids(groups))

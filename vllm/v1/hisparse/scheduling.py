@@ -337,8 +337,8 @@ class HiSparseScheduling:
         """
         request_id = request.request_id
         self._connector_hits.pop(request_id, None)
-        if num_external_tokens <= 0:
-            return new_computed_blocks, num_external_tokens
+        if num_external_tokens <= 0 or not plans_executable():
+            return new_computed_blocks, num_external_tokens  # the connector keeps every group
         if not (self.issue_plans and self.host_prefix_hits) or num_local_tokens % self.block_size:
             return new_computed_blocks, 0
         end = num_local_tokens + num_external_tokens
