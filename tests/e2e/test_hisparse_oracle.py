@@ -60,7 +60,17 @@ def evict_device_sparse_mla_copies(scheduler) -> int:
     return len(evict)
 
 
-OFFLOAD_COUNTERS = ("vllm:kv_offload_store_bytes", "vllm:kv_offload_load_bytes")
+# Counters as the engine's Prometheus registry exports them.
+EXPORTED_COUNTERS = (
+    "vllm:kv_offload_store_bytes",
+    "vllm:kv_offload_load_bytes",
+    "vllm:hisparse_pages_copied_to_host",
+    "vllm:hisparse_pages_demoted",
+    "vllm:hisparse_rows_loaded",
+    "vllm:hisparse_host_prefix_pages_reused",
+    "vllm:hisparse_bytes_to_host",
+    "vllm:hisparse_bytes_from_host",
+)
 
 
 def two_turns(model, churn: bool = False, reset: bool = False, **overrides):
@@ -87,7 +97,7 @@ def two_turns(model, churn: bool = False, reset: bool = False, **overrides):
         cached2 = [o.num_cached_tokens for o in outs2]
         stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
         preemptions = metric_total(llm, "vllm:num_preemptions")
-        offload = {name: metric_total(llm, name) for name in OFFLOAD_COUNTERS}
+        offload = {name: metric_total(llm, name) for name in EXPORTED_COUNTERS}
     return tokens, tokens2, cached2, stats, preemptions, offload
 
 
@@ -107,7 +117,7 @@ def resident(model):
 def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        tokens, tokens2, cached2, stats, preemptions, _ = two_turns(
+        tokens, tokens2, cached2, stats, preemptions, exported = two_turns(
             model, churn=True, attention_config=hisparse(mode), **PRESSURE
         )
     ref_tokens, ref_tokens2, ref_cached2, *_ = resident
@@ -118,6 +128,10 @@ def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode)
     assert stats["host_prefix_pages_reused"] > 0
     assert stats["rows_loaded"] > 0, "the resolver loaded rows from the host pool"
     assert preemptions == 0
+    # The engine's Prometheus metrics show the same counts.
+    for name in ("pages_copied_to_host", "pages_demoted", "rows_loaded", "host_prefix_pages_reused"):
+        assert exported[f"vllm:hisparse_{name}"] == stats[name]
+    assert exported["vllm:hisparse_bytes_to_host"] > 0 and exported["vllm:hisparse_bytes_from_host"] > 0
     # The second turns reused their prefixes as the resident run did: nothing recomputed.
     assert cached2 == ref_cached2
     assert tokens == ref_tokens

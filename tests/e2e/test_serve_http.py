@@ -205,3 +205,8 @@ def test_metrics_show_requests_and_offloaded_blocks(server):
 
     assert value("vllm:request_success_total") >= 2
     assert value("vllm:kv_offload_store_bytes_total") > 0
+    # Hybrid HiSparse's own metrics: the host pool's size and the pages copied ahead of pressure.
+    assert value("vllm:hisparse_host_pool_pages{") > 0
+    assert value("vllm:hisparse_pages_copied_to_host_total") > 0
+    assert value("vllm:hisparse_bytes_to_host_total") > 0
+    assert 'vllm:hisparse_requests{' in metrics and 'state="mixed"' in metrics

@@ -185,6 +185,12 @@ class HiSparseScheduling:
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
         self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
         num_host_pages = host_pool_pages(vllm_config)
+        # Bytes one page (all sparse-MLA layers) and one layer's row move, on all workers.
+        replicas = vllm_config.parallel_config.tensor_parallel_size
+        self._page_bytes = sparse_mla_page_bytes(vllm_config) * replicas
+        self._row_bytes = self._page_bytes // (
+            self.block_size * vllm_config.model_config.get_total_num_hidden_layers()
+        )
         self.residency = ResidencyManager(
             self.blocks,
             HostPagePool(num_host_pages),
@@ -538,6 +544,8 @@ class HiSparseScheduling:
             request_steps_mixed=self.request_steps[RequestState.MIXED],
             request_steps_none=self.request_steps[RequestState.NONE],
             speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,
+            bytes_to_host=counters.pages_copied_to_host * self._page_bytes,
+            bytes_from_host=counters.pages_restored * self._page_bytes + self.rows_loaded * self._row_bytes,
         )
         return out
 

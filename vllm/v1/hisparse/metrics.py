@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hybrid HiSparse's Prometheus metrics.
+
+Owns the `vllm:hisparse_*` metrics the Prometheus stat logger exports from the
+scheduler's residency counters (`HiSparseScheduling.stats()`, carried in
+`SchedulerStats.hisparse_stats`): gauges for the current state (requests and
+pages per residency state, host pool use) and counters for what happened
+(pages copied, demoted, restored and reused, rows loaded, bytes moved between
+host and device, preemptions avoided). The scheduler's counters are
+cumulative; counters here advance by their increase since the last record.
+
+It never reads scheduler state itself; it only translates one stats dict.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# Gauge name -> (documentation, the stats keys by label value of `state`, or one key).
+_GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
+    "vllm:hisparse_requests": (
+        "Running requests by HiSparse residency state (full: all pages on the device; "
+        "mixed: some in the host pool; none: no resident page outside the tail).",
+        {"full": "requests_full", "mixed": "requests_mixed", "none": "requests_none"},
+    ),
+    "vllm:hisparse_pages": (
+        "Sparse-MLA pages of running requests by residency (device only, device and host, host only).",
+        {"device": "pages_device", "both": "pages_both", "host": "pages_host"},
+    ),
+    "vllm:hisparse_host_pool_used_pages": ("Host pool pages referenced by requests.", "host_pages_used"),
+    "vllm:hisparse_host_pool_pages": ("Host pool capacity in pages.", "host_pages_total"),
+}
+
+# Counter name -> (documentation, cumulative stats key).
+_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm:hisparse_pages_copied_to_host": ("Pages copied device -> host.", "pages_copied_to_host"),
+    "vllm:hisparse_pages_demoted": ("Pages freed from the device (kept in the host pool).", "pages_demoted"),
+    "vllm:hisparse_pages_restored": (
+        "Pages of KV connector hits restored host -> device.",
+        "pages_restored",
+    ),
+    "vllm:hisparse_host_prefix_pages_reused": (
+        "Prefix pages a request took from the host pool instead of recomputing them.",
+        "host_prefix_pages_reused",
+    ),
+    "vllm:hisparse_rows_loaded": (
+        "Rows the resolver loaded host -> device into hot buffers (per sparse-MLA layer).",
+        "rows_loaded",
+    ),
+    "vllm:hisparse_hot_leases": ("Hot buffers leased to requests.", "hot_leases"),
+    "vllm:hisparse_preemptions_avoided": (
+        "Allocations that demotion served instead of a preemption.",
+        "preemptions_avoided",
+    ),
+    "vllm:hisparse_bytes_to_host": ("Bytes copied device -> host, all workers.", "bytes_to_host"),
+    "vllm:hisparse_bytes_from_host": (
+        "Bytes copied host -> device (restores and resolver row loads), all workers.",
+        "bytes_from_host",
+    ),
+}
+
+
+class HiSparseProm:
+    """The `vllm:hisparse_*` metrics of one Prometheus stat logger (all engines)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        gauge_cls: type,
+        counter_cls: type,
+    ) -> None:
+        self.enabled = vllm_config.attention_config.hisparse_config is not None
+        self._gauges: dict[str, dict[int, Any]] = {}
+        self._labelled: dict[str, dict[str, dict[int, Any]]] = {}
+        self._counters: dict[str, dict[int, Any]] = {}
+        self._last: dict[tuple[int, str], int] = {}
+        if not self.enabled:
+            return
+        for name, (doc, keys) in _GAUGES.items():
+            if isinstance(keys, dict):
+                gauge = gauge_cls(name=name, documentation=doc, labelnames=[*labelnames, "state"])
+                self._labelled[name] = {
+                    state: {e: gauge.labels(*values, state) for e, values in per_engine_labelvalues.items()}
+                    for state in keys
+                }
+            else:
+                gauge = gauge_cls(name=name, documentation=doc, labelnames=labelnames)
+                self._gauges[name] = {e: gauge.labels(*v) for e, v in per_engine_labelvalues.items()}
+        for name, (doc, _) in _COUNTERS.items():
+            counter = counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[name] = {e: counter.labels(*v) for e, v in per_engine_labelvalues.items()}
+
+    def observe(self, stats: dict[str, int], engine_idx: int) -> None:
+        if not self.enabled:
+            return
+        for name, (_, keys) in _GAUGES.items():
+            if isinstance(keys, dict):
+                for state, key in keys.items():
+                    self._labelled[name][state][engine_idx].set(stats.get(key, 0))
+            else:
+                self._gauges[name][engine_idx].set(stats.get(keys, 0))
+        for name, (_, key) in _COUNTERS.items():
+            value = stats.get(key, 0)
+            last = self._last.get((engine_idx, key), 0)
+            # A restarted engine starts its counters from zero again.
+            increase = value - last if value >= last else value
+            if increase:
+                self._counters[name][engine_idx].inc(increase)
+            self._last[(engine_idx, key)] = value
