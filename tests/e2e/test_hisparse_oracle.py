@@ -67,6 +67,7 @@ EXPORTED_COUNTERS = (
     "vllm:hisparse_pages_copied_to_host",
     "vllm:hisparse_pages_demoted",
     "vllm:hisparse_rows_loaded",
+    "vllm:hisparse_rows_hit",
     "vllm:hisparse_host_prefix_pages_reused",
     "vllm:hisparse_bytes_to_host",
     "vllm:hisparse_bytes_from_host",
@@ -129,8 +130,10 @@ def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode)
     assert stats["rows_loaded"] > 0, "the resolver loaded rows from the host pool"
     assert preemptions == 0
     # The engine's Prometheus metrics show the same counts.
-    for name in ("pages_copied_to_host", "pages_demoted", "rows_loaded", "host_prefix_pages_reused"):
+    counted = ("pages_copied_to_host", "pages_demoted", "rows_loaded", "rows_hit", "host_prefix_pages_reused")
+    for name in counted:
         assert exported[f"vllm:hisparse_{name}"] == stats[name]
+    assert stats["rows_hit"] > 0, "hot buffers served rows again on later steps"
     assert exported["vllm:hisparse_bytes_to_host"] > 0 and exported["vllm:hisparse_bytes_from_host"] > 0
     # The second turns reused their prefixes as the resident run did: nothing recomputed.
     assert cached2 == ref_cached2

@@ -50,6 +50,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Rows the resolver loaded host -> device into hot buffers (per sparse-MLA layer).",
         "rows_loaded",
     ),
+    "vllm:hisparse_rows_hit": (
+        "Selected rows of host pages the resolver found in a hot buffer (per sparse-MLA layer).",
+        "rows_hit",
+    ),
     "vllm:hisparse_hot_leases": ("Hot buffers leased to requests.", "hot_leases"),
     "vllm:hisparse_preemptions_avoided": (
         "Allocations that demotion served instead of a preemption.",

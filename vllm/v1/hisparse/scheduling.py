@@ -215,6 +215,7 @@ class HiSparseScheduling:
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
         self.rows_loaded = 0
+        self.rows_hit = 0
         # Steps that verified draft tokens of a request with pages in the host pool.
         self.speculative_steps_with_host_pages = 0
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
@@ -439,6 +440,7 @@ class HiSparseScheduling:
         """Mark the step's reported copies durable; cancel the ones not reported."""
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
         self.rows_loaded += getattr(output, "hisparse_rows_loaded", 0) or 0
+        self.rows_hit += getattr(output, "hisparse_rows_hit", 0) or 0
         if plan is None or not plan.copies:
             return
         reported = getattr(output, "hisparse_copied", None)
@@ -539,8 +541,10 @@ class HiSparseScheduling:
             pages_restored=counters.pages_restored,
             preemptions_avoided=counters.preemptions_avoided,
             copies_in_flight=len(self._in_flight),
-            # Rows the workers' resolvers loaded host -> device (hot-buffer misses).
+            # Rows the workers' resolvers loaded host -> device (hot-buffer misses), and
+            # selected non-resident rows already in a hot buffer (hits).
             rows_loaded=self.rows_loaded,
+            rows_hit=self.rows_hit,
             request_steps_mixed=self.request_steps[RequestState.MIXED],
             request_steps_none=self.request_steps[RequestState.NONE],
             speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,

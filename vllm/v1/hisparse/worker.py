@@ -103,6 +103,7 @@ class HiSparseWorker:
         self._hot: dict[tuple[str, str], _HotRows] = {}  # (request id, layer) -> hot rows
         self._stamp = 0
         self.rows_loaded = 0
+        self.rows_hit = 0
         logger.info(
             "Hybrid HiSparse worker: host pool of %d pages x %d sparse-MLA layers (%.2f GiB%s)",
             num_host_pages,
@@ -164,7 +165,8 @@ class HiSparseWorker:
             output = copy(output)
         output.hisparse_copied = self._run_copies(plan)
         output.hisparse_rows_loaded = self.rows_loaded
-        self.rows_loaded = 0
+        output.hisparse_rows_hit = self.rows_hit
+        self.rows_loaded = self.rows_hit = 0
         return output
 
     def _run_copies(self, plan: HiSparseStepPlan) -> list[tuple[str, int]]:
@@ -246,7 +248,12 @@ class HiSparseWorker:
         )
         hot.positions.copy_(state.positions[0])
         hot.stamps.copy_(state.stamps[0])
-        self.rows_loaded += int((before != hot.positions).sum())
+        loaded = int((before != hot.positions).sum())
+        selected = positions[0].long()
+        valid = selected >= 0
+        on_host = valid & (page_table[0, selected.clamp(min=0) // self.block_size] < 0)
+        self.rows_loaded += loaded
+        self.rows_hit += int(on_host.sum()) - loaded
         return slots
 
     def _hot_rows(self, request_id: str, layer_name: str, stride_rows: int) -> _HotRows:
