@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV_PY := .venv/bin/python
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: setup test lint demo wheel image bench clean
 
@@ -26,9 +27,10 @@ image:
 	$(MAKE) wheel FLAVOUR=cuda
 	docker build -t vllm-hisparse:$$($(PYTHON) scripts/upstream.py image-tag) .
 
+## demo: setup, then vllm serve of a tiny GLM-5 with Hybrid HiSparse under KV pressure, driven by
+## a multi-turn agentic client; prints residency states, pages moved, hot hits, preemptions
 demo: setup
-	@echo "make demo arrives with the HiSparse residency work (see README.md); nothing to run yet." >&2
-	@exit 2
+	$(VENV_PY) scripts/demo.py $(DEMO_ARGS)
 
 bench: setup
 	@echo "make bench arrives with the benchmark work (see README.md); nothing to run yet." >&2
