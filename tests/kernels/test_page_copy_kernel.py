@@ -2,52 +2,20 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from cuda_build import compile_for_sm90a, hisparse_ops
 
-from vllm.v1.hisparse.page_copy import copy_pages, launch_kernel
-
-REPO = Path(__file__).resolve().parents[2]
-CSRC = REPO / "csrc"
-SM90A = "-gencode=arch=compute_90a,code=sm_90a"
+from vllm.v1.hisparse.page_copy import copy_pages
 
 
 def test_page_copy_kernel_compiles_for_sm90a(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not installed on this machine")
-    out = tmp_path / "page_copy.o"
-    done = subprocess.run(
-        [nvcc, "-std=c++17", "-O3", SM90A, f"-I{CSRC}", "-c", str(CSRC / "hisparse_page_copy.cu"), "-o", out],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert out.stat().st_size > 0
+    compile_for_sm90a("hisparse_page_copy.cu", tmp_path)
 
 
 @pytest.fixture(scope="module")
 def kernel_ops(tmp_path_factory):
-    """The compiled ops: from the installed wheel if it carries them, else built just in time."""
-    from vllm.v1.hisparse.resolver import cuda_kernel_available
-
-    if not cuda_kernel_available():
-        from torch.utils.cpp_extension import load
-
-        load(
-            name="hisparse_page_copy_jit",
-            sources=[str(p) for p in sorted(CSRC.glob("*.cu"))] + [str(CSRC / "hisparse_ops.cpp")],
-            extra_include_paths=[str(CSRC)],
-            extra_cuda_cflags=["-O3", SM90A],
-            build_directory=str(tmp_path_factory.mktemp("jit")),
-            is_python_module=False,
-        )
-    return torch.ops._hisparse_C
+    return hisparse_ops(tmp_path_factory.mktemp("jit"))
 
 
 def _case(seed: int, dtype: torch.dtype, device: str):
@@ -73,7 +41,7 @@ def test_kernel_matches_the_reference_bit_for_bit(kernel_ops, to_host, dtype):
         ref_caches, ref_storage, ref_host, block_ids, pages = _case(seed, dtype, "cpu")
         copy_pages(ref_caches, ref_host, block_ids, pages, to_host)  # CPU tensors: the reference
         caches, storage, host, block_ids, pages = _case(seed, dtype, "cuda")
-        launch_kernel(caches, host, block_ids, pages, to_host)  # one launch for every page and layer
+        copy_pages(caches, host, block_ids, pages, to_host, use_kernel=True)  # one launch
         torch.cuda.synchronize()
         assert torch.equal(storage.cpu(), ref_storage)
         assert torch.equal(host, ref_host)

@@ -2,62 +2,21 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from cuda_build import compile_for_sm90a, hisparse_ops
 from resolver_cases import BLOCK, build
 
 from vllm.v1.hisparse.resolver import HotState, resolve_topk_slots
 
-REPO = Path(__file__).resolve().parents[2]
-CSRC = REPO / "csrc"
-SM90A = "-gencode=arch=compute_90a,code=sm_90a"
-
 
 def test_resolver_kernel_compiles_for_sm90a(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not installed on this machine")
-    done = subprocess.run(
-        [
-            nvcc,
-            "-std=c++17",
-            "-O3",
-            SM90A,
-            f"-I{CSRC}",
-            "-c",
-            str(CSRC / "hisparse_resolver.cu"),
-            "-o",
-            str(tmp_path / "resolver.o"),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "resolver.o").stat().st_size > 0
+    compile_for_sm90a("hisparse_resolver.cu", tmp_path)
 
 
 @pytest.fixture(scope="module")
 def kernel_ops(tmp_path_factory):
-    """The compiled op: from the installed wheel if it carries it, else built just in time."""
-    from vllm.v1.hisparse.resolver import cuda_kernel_available
-
-    if not cuda_kernel_available():
-        from torch.utils.cpp_extension import load
-
-        load(
-            name="hisparse_resolver_jit",
-            sources=[str(CSRC / "hisparse_resolver.cu"), str(CSRC / "hisparse_ops.cpp")],
-            extra_include_paths=[str(CSRC)],
-            extra_cuda_cflags=["-O3", SM90A],
-            build_directory=str(tmp_path_factory.mktemp("jit")),
-            is_python_module=False,
-        )
-    return torch.ops._hisparse_C
+    return hisparse_ops(tmp_path_factory.mktemp("jit"))
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ def copy_pages(
     block_ids: torch.Tensor,
     host_pages: torch.Tensor,
     to_host: bool,
+    use_kernel: bool | None = None,
 ) -> None:
     """Copy pages of every layer between `kv_caches` and `host_pool`.
 
@@ -35,12 +36,31 @@ def copy_pages(
     strided further apart than a page). host_pool: [num_layers, num_host_pages,
     block_size, width], contiguous. block_ids: [num_pages, num_layers] int64,
     the block of each page in each layer's group. host_pages: [num_pages] int64.
+    `use_kernel`: None picks the CUDA kernel for CUDA caches when the extension is
+    built, the reference otherwise; True or False forces one (the kernel needs
+    CUDA caches, a pinned host pool and the `copy_pages` op registered).
     """
     _validate(kv_caches, host_pool, block_ids, host_pages)
+    if use_kernel is None:
+        use_kernel = kv_caches[0].is_cuda and cuda_kernel_available()
     if not host_pages.numel():
         return
-    if kv_caches[0].is_cuda and cuda_kernel_available():
-        launch_kernel(kv_caches, host_pool, block_ids, host_pages, to_host)
+    if use_kernel:
+        if not host_pool.is_pinned():
+            raise ValueError("the host pool must be pinned memory for the CUDA page copy")
+        element = host_pool.element_size()
+        device = kv_caches[0].device
+        torch.ops._hisparse_C.copy_pages(
+            torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64),
+            torch.tensor([c.stride(0) * element for c in kv_caches], dtype=torch.int64),
+            host_pool[0, 0].numel() * element,
+            host_pool,
+            host_pool.stride(0) * element,
+            host_pool.stride(1) * element,
+            block_ids.to(device, torch.int64).contiguous(),
+            host_pages.to(device, torch.int64).contiguous(),
+            to_host,
+        )
         return
     host_index = host_pages.long().cpu()
     for layer, cache in enumerate(kv_caches):
@@ -49,31 +69,6 @@ def copy_pages(
             host_pool[layer, host_index] = cache[blocks].to(host_pool.device)
         else:
             cache[blocks] = host_pool[layer, host_index].to(cache.device)
-
-
-def launch_kernel(
-    kv_caches: Sequence[torch.Tensor],
-    host_pool: torch.Tensor,
-    block_ids: torch.Tensor,
-    host_pages: torch.Tensor,
-    to_host: bool,
-) -> None:
-    """The CUDA kernel's launch (`torch.ops._hisparse_C.copy_pages`): one for all pages and layers."""
-    if not host_pool.is_pinned():
-        raise ValueError("the host pool must be pinned memory for the CUDA page copy")
-    element = host_pool.element_size()
-    device = kv_caches[0].device
-    torch.ops._hisparse_C.copy_pages(
-        torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64),
-        torch.tensor([c.stride(0) * element for c in kv_caches], dtype=torch.int64),
-        host_pool[0, 0].numel() * element,
-        host_pool,
-        host_pool.stride(0) * element,
-        host_pool.stride(1) * element,
-        block_ids.to(device, torch.int64).contiguous(),
-        host_pages.to(device, torch.int64).contiguous(),
-        to_host,
-    )
 
 
 def _validate(
