@@ -13,8 +13,8 @@ scheduler process:
   them as placeholders plus a hot lease and starts NONE instead of recomputing;
 - KV connector hits: the OffloadingConnector handles every group but the
   sparse-MLA ones (see offloading.py), so its hit is limited to pages the host
-  pool holds, and those pages are restored from the host pool into the blocks
-  allocated for the hit;
+  pool holds; those pages are restored into the blocks allocated for the hit
+  when the pool has room, else taken as placeholders plus a hot lease (NONE);
 - the step plan that crosses to the workers in `SchedulerOutput.hisparse_plan`
   (host->device restores and block-table point updates to apply before the
   forward, copies to run after it, the residency map of every request that is
@@ -43,6 +43,7 @@ from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
@@ -297,12 +298,8 @@ class HiSparseScheduling:
             pages.pop()
             host_pages.pop(start + len(pages), None)
         if host_pages:
-            # Taking the lease may evict cached free blocks: pin the hit's blocks meanwhile.
-            pinned = [b for group in blocks.blocks for b in group]
-            pinned += [b for mla, other in pages for b in (mla or []) + other]
-            block_pool.touch(pinned)
-            lease = self.residency.lease()
-            block_pool.free_blocks(pinned)
+            hit = [b for group in blocks.blocks for b in group]
+            lease = self._lease_keeping(hit + [b for mla, other in pages for b in (mla or []) + other])
             if lease:
                 self._pending_hits[request.request_id] = (host_pages, lease)
             else:
@@ -367,12 +364,7 @@ class HiSparseScheduling:
             self._connector_hits[request_id] = host_pages
             return new_computed_blocks, num_external_tokens
         if pending is None:
-            # Taking the lease may evict cached free blocks: pin the local hit meanwhile.
-            block_pool = self.kv_cache_manager.block_pool
-            pinned = [b for group in new_computed_blocks.blocks for b in group]
-            block_pool.touch(pinned)
-            lease = self.residency.lease()
-            block_pool.free_blocks(pinned)
+            lease = self._lease_keeping([b for group in new_computed_blocks.blocks for b in group])
             if not lease:
                 return new_computed_blocks, 0
             pending = ({}, lease)
@@ -383,6 +375,17 @@ class HiSparseScheduling:
         for g in self.mla_group_ids:
             extended[g].extend([null_block] * len(host_pages))
         return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
+
+    def _lease_keeping(self, hit_blocks: list[KVCacheBlock]) -> list[int]:
+        """A hot lease for a request about to take `hit_blocks` from the prefix cache.
+
+        Taking the lease may evict cached free blocks: the hit's are pinned meanwhile.
+        """
+        block_pool = self.kv_cache_manager.block_pool
+        block_pool.touch(hit_blocks)
+        lease = self.residency.lease()
+        block_pool.free_blocks(hit_blocks)
+        return lease
 
     def restore_external_pages(self, request: Request, num_external_tokens: int) -> None:
         """Blocks are allocated for the connector's hit: restore its sparse-MLA pages into them."""
