@@ -291,9 +291,10 @@ class SchedulerHarness:
 
         self.vllm_config = vllm_config
         self.specs = specs if specs is not None else model_kv_cache_specs(vllm_config)
-        # The harness plays the worker side: with runs_hisparse_plans, start-up sizing and
-        # admission are those of a build whose workers execute residency plans.
-        scheduling.workers_execute_plans = runs_hisparse_plans
+        # The harness plays the worker side of a build whose workers execute residency
+        # plans (start-up sizing and admission follow); without runs_hisparse_plans it
+        # is a worker that should run them but reports nothing.
+        scheduling.workers_execute_plans = True
         self.kv_cache_config = build_kv_cache_config(
             vllm_config, self.specs, num_blocks=num_blocks, memory_bytes=memory_bytes
         )

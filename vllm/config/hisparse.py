@@ -182,11 +182,6 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             "hisparse_config needs the hybrid KV cache manager (separate KV cache groups for "
             "the sparse-MLA and indexer caches); remove --disable-hybrid-kv-cache-manager"
         )
-    # Groups with different page sizes overlay each block's bytes only in a
-    # block-outermost layout (see vllm/v1/hisparse/kv_grouping.py).
-    from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
-
-    vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
     speculative = vllm_config.speculative_config
     if speculative is not None and speculative.method not in SUPPORTED_SPECULATIVE_METHODS:
         raise ValueError(
@@ -200,6 +195,11 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     from vllm.v1.hisparse.scheduling import plans_executable
 
     if plans_executable():
+        # Groups with different page sizes overlay each block's bytes only in a
+        # block-outermost layout (see vllm/v1/hisparse/kv_grouping.py).
+        from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
+
+        vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
         logger.info(
             "Hybrid HiSparse: on (mode=%s, host_pool_gib=%s, device_buffer_size=%d).",
             hisparse.mode,
@@ -209,10 +209,9 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     else:
         logger.warning(
             "Hybrid HiSparse: hisparse_config is valid (mode=%s, host_pool_gib=%s, "
-            "device_buffer_size=%d) and the KV cache is grouped for it, but the sparse-MLA "
-            "attention backends of this platform do not resolve through HiSparse in this "
-            "build: no host pool is allocated and the sparse-MLA KV cache stays fully "
-            "resident on the device.",
+            "device_buffer_size=%d), but the sparse-MLA attention backends of this platform "
+            "do not resolve through HiSparse in this build: it stays off, and the KV cache, "
+            "its layout and any KV connector work exactly as without it.",
             hisparse.mode,
             hisparse.host_pool_gib,
             hisparse.device_buffer_size,

@@ -108,8 +108,13 @@ def choose_mla_group_count(num_mla_layers: int, mla_page: int, resident_width: i
 def hisparse_kv_cache_groups(
     vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
 ) -> list[KVCacheGroupSpec] | None:
-    """HiSparse's groups for a DSA model, or None to let upstream group as usual."""
+    """HiSparse's groups for a DSA model, or None to let upstream group as usual
+    (HiSparse off, or its residency plans cannot run on this platform)."""
+    from vllm.v1.hisparse.scheduling import plans_executable
+
     if vllm_config.attention_config.hisparse_config is None or not kv_cache_spec:
+        return None
+    if not plans_executable():
         return None
     indexer = [name for name in kv_cache_spec if name.endswith(INDEXER_LAYER_SUFFIX)]
     mla = [name for name in kv_cache_spec if not name.endswith(INDEXER_LAYER_SUFFIX)]

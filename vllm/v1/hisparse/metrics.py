@@ -78,7 +78,9 @@ class HiSparseProm:
         gauge_cls: type,
         counter_cls: type,
     ) -> None:
-        self.enabled = vllm_config.attention_config.hisparse_config is not None
+        from vllm.v1.hisparse.scheduling import plans_executable
+
+        self.enabled = vllm_config.attention_config.hisparse_config is not None and plans_executable()
         self._gauges: dict[str, dict[int, Any]] = {}
         self._labelled: dict[str, dict[str, dict[int, Any]]] = {}
         self._counters: dict[str, dict[int, Any]] = {}

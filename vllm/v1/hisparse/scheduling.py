@@ -63,10 +63,10 @@ def plans_executable() -> bool:
     """Whether this build's workers execute residency plans on this platform.
 
     The CPU sparse-MLA backend resolves through HiSparse; the CUDA sparse-MLA
-    backends of this build do not yet. Where plans cannot run, start-up sizes
-    the KV cache for full residency and admission keeps upstream's
-    whole-context rule, so a context only demotion could serve is refused at
-    start-up instead of being preempted forever.
+    backends of this build do not yet. Where plans cannot run, HiSparse stays
+    off after validating its config: upstream's KV cache grouping, layout,
+    start-up sizing and admission, no scheduler or worker state, and a KV
+    connector that handles every group.
     """
     if workers_execute_plans is not None:
         return workers_execute_plans
@@ -558,8 +558,8 @@ class HiSparseScheduling:
 
 
 def attach_hisparse(scheduler: Scheduler) -> HiSparseScheduling | None:
-    """HiSparse's scheduler state when `hisparse_config` is set, else None."""
-    if scheduler.vllm_config.attention_config.hisparse_config is None:
+    """HiSparse's scheduler state when `hisparse_config` is set and plans can run, else None."""
+    if scheduler.vllm_config.attention_config.hisparse_config is None or not plans_executable():
         return None
     return HiSparseScheduling(scheduler)
 
