@@ -220,6 +220,47 @@ def test_where_plans_do_not_run_hisparse_stays_off_and_the_connector_keeps_every
     assert (tokens, tokens2) == reference[:2]
 
 
+def repeated_prompt_run(model, **overrides):
+    """A page-aligned prompt sent again after the device prefix cache was dropped: the
+    connector hits all of it, and the engine recomputes the last prompt token."""
+    engine_id = f"test-hisparse-full-hit-{uuid.uuid4().hex}"
+    kv_transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 64 << 20},
+    }
+    rng = random.Random(3)
+    prompt = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(6 * 64)]}]
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            with running_llm(model, dtype="float32", kv_transfer_config=kv_transfer, **overrides) as llm:
+                scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+                first = llm.generate(prompt, GREEDY, use_tqdm=False)
+                # Another step lets the connector store the first request's last chunk.
+                llm.generate([{"prompt_token_ids": [5] * 70}], SamplingParams(max_tokens=2), use_tqdm=False)
+                assert llm.reset_prefix_cache()
+                again = llm.generate(prompt, GREEDY, use_tqdm=False)
+                stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
+    finally:
+        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
+            leftover.unlink(missing_ok=True)
+    tokens = [list(o.outputs[0].token_ids) for o in (first[0], again[0])]
+    return tokens, again[0].num_cached_tokens, stats
+
+
+def test_a_full_prompt_connector_hit_restores_the_page_it_recomputes(model):
+    """Even where a connector hit leaves its pages on the host (mode always), the page
+    holding the last prompt token, which the engine computes again, is restored: a
+    placeholder there would be written through the null block."""
+    reference, reference_cached, _ = repeated_prompt_run(model)
+    tokens, cached, stats = repeated_prompt_run(model, attention_config=hisparse("always"))
+    assert cached == reference_cached == 6 * 64
+    assert stats["pages_restored"] == 1 and stats["host_prefix_pages_reused"] == 5
+    assert tokens == reference
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 

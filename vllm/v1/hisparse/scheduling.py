@@ -363,17 +363,26 @@ class HiSparseScheduling:
         ):
             self._connector_hits[request_id] = host_pages
             return new_computed_blocks, num_external_tokens
+        # The page holding the last prompt token is written again (a full-prompt hit
+        # recomputes that token): it is restored, never a placeholder.
+        last_page = (request.num_tokens - 1) // self.block_size
+        on_host = {p: h for p, h in host_pages.items() if p < last_page}
+        if len(on_host) < len(host_pages):
+            self._connector_hits[request_id] = {p: h for p, h in host_pages.items() if p >= last_page}
+        if not on_host:
+            return new_computed_blocks, num_external_tokens
         if pending is None:
             lease = self._lease_keeping([b for group in new_computed_blocks.blocks for b in group])
             if not lease:
+                self._connector_hits.pop(request_id, None)
                 return new_computed_blocks, 0
             pending = ({}, lease)
             self._pending_hits[request_id] = pending
-        pending[0].update(host_pages)
+        pending[0].update(on_host)
         null_block = self.kv_cache_manager.block_pool.null_block
         extended = [list(group) for group in new_computed_blocks.blocks]
         for g in self.mla_group_ids:
-            extended[g].extend([null_block] * len(host_pages))
+            extended[g].extend([null_block] * len(on_host))
         return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
 
     def _lease_keeping(self, hit_blocks: list[KVCacheBlock]) -> list[int]:
