@@ -15,14 +15,13 @@ the connector off (whose second pass recomputes everything). The weights are sha
 from __future__ import annotations
 
 import random
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine import metric_total, running_llm
+from engine import metric_total, offloading_connector, running_llm
 
 from vllm import SamplingParams
 
@@ -80,20 +79,8 @@ def without_connector(sparse_glm5_dir) -> TwoPasses:
 
 @pytest.fixture(scope="module", params=SPEC_NAMES)
 def with_connector(request, sparse_glm5_dir) -> Iterator[TwoPasses]:
-    # A unique engine id names the tiering spec's shared region
-    # (/dev/shm/vllm_offload_<engine_id>.mmap), so teardown removes only this run's files.
-    engine_id = f"test-cpu-offloading-{uuid.uuid4().hex}"
-    config = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {"spec_name": request.param, "cpu_bytes_to_use": CPU_BYTES_TO_USE},
-    }
-    try:
+    with offloading_connector(request.param, CPU_BYTES_TO_USE, "test-cpu-offloading") as config:
         yield run_two_passes(sparse_glm5_dir, kv_transfer_config=config)
-    finally:
-        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
-            leftover.unlink(missing_ok=True)
 
 
 def test_without_connector_the_second_pass_recomputes(without_connector):

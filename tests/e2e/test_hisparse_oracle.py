@@ -15,12 +15,10 @@ recomputes its prefix, which is not the resident run's arithmetic.
 from __future__ import annotations
 
 import random
-import uuid
-from pathlib import Path
 
 import pytest
 import tiny_models
-from engine import metric_total, model_dir, running_llm
+from engine import metric_total, model_dir, offloading_connector, running_llm
 
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
@@ -153,20 +151,10 @@ def test_without_pressure_hybrid_keeps_every_request_full(model, resident):
 
 def offloading_turns(model, spec_name: str, **overrides):
     """two_turns with the OffloadingConnector, the device prefix cache dropped between turns."""
-    engine_id = f"test-hisparse-offloading-{uuid.uuid4().hex}"
-    kv_transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {"spec_name": spec_name, "cpu_bytes_to_use": 64 << 20},
-    }
-    try:
+    with offloading_connector(spec_name, label="test-hisparse-offloading") as kv_transfer:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             return two_turns(model, reset=True, kv_transfer_config=kv_transfer, **overrides)
-    finally:
-        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
-            leftover.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize(
@@ -223,16 +211,9 @@ def test_where_plans_do_not_run_hisparse_stays_off_and_the_connector_keeps_every
 def repeated_prompt_run(model, **overrides):
     """A page-aligned prompt sent again after the device prefix cache was dropped: the
     connector hits all of it, and the engine recomputes the last prompt token."""
-    engine_id = f"test-hisparse-full-hit-{uuid.uuid4().hex}"
-    kv_transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 64 << 20},
-    }
     rng = random.Random(3)
     prompt = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(6 * 64)]}]
-    try:
+    with offloading_connector("CPUOffloadingSpec", label="test-hisparse-full-hit") as kv_transfer:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             with running_llm(model, dtype="float32", kv_transfer_config=kv_transfer, **overrides) as llm:
@@ -243,9 +224,6 @@ def repeated_prompt_run(model, **overrides):
                 assert llm.reset_prefix_cache()
                 again = llm.generate(prompt, GREEDY, use_tqdm=False)
                 stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
-    finally:
-        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
-            leftover.unlink(missing_ok=True)
     tokens = [list(o.outputs[0].token_ids) for o in (first[0], again[0])]
     return tokens, again[0].num_cached_tokens, stats
 

@@ -16,11 +16,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine import offloading_connector
 
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "tiny-glm5"
@@ -95,14 +95,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(sparse_glm5_dir) -> Iterator[Server]:
+    with offloading_connector("TieringOffloadingSpec", label="test-serve") as kv_transfer:
+        yield from serve(sparse_glm5_dir, kv_transfer)
+
+
+def serve(sparse_glm5_dir, kv_transfer: dict) -> Iterator[Server]:
     port = free_port()
-    engine_id = f"test-serve-{uuid.uuid4().hex}"
-    kv_transfer = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 << 20},
-    }
     cmd = [
         str(REPO / ".venv" / "bin" / "vllm"),
         "serve",
@@ -140,8 +138,6 @@ def server(sparse_glm5_dir) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
-            leftover.unlink(missing_ok=True)
 
 
 def test_startup_reports_the_hisparse_config(server):

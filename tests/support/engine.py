@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,26 @@ def running_llm(model: Path, **overrides) -> Iterator:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+@contextmanager
+def offloading_connector(spec_name: str, cpu_bytes: int = 64 << 20, label: str = "test") -> Iterator[dict]:
+    """The OffloadingConnector's --kv-transfer-config with an engine id of its own.
+
+    The id names the tiering spec's shared region (/dev/shm/vllm_offload_<engine id>*),
+    which is removed on exit, so runs never see each other's stores.
+    """
+    engine_id = f"{label}-{uuid.uuid4().hex}"
+    try:
+        yield {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": {"spec_name": spec_name, "cpu_bytes_to_use": cpu_bytes},
+        }
+    finally:
+        for leftover in Path("/dev/shm").glob(f"vllm_offload_{engine_id}*"):
+            leftover.unlink(missing_ok=True)
 
 
 def metric_total(llm, name: str) -> float:
