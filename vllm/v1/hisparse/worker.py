@@ -36,7 +36,7 @@ from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.resolver import HotState, resolve_topk_slots
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.hisparse.residency import PageCopy
@@ -47,13 +47,13 @@ logger = init_logger(__name__)
 
 
 @dataclass
-class _HotRows:
-    """One request's hot buffer in one layer: physical rows, held positions, LRU stamps."""
+class _LayerHot:
+    """One layer's hot state as of step `serial`: row m belongs to request `index` -> m."""
 
-    lease: tuple[tuple[int, ...], ...]
-    rows: torch.Tensor
-    positions: torch.Tensor
-    stamps: torch.Tensor
+    serial: int
+    state: HotState
+    index: dict[str, int]
+    leases: list[tuple[tuple[int, ...], ...]]
 
 
 @dataclass
@@ -100,10 +100,18 @@ class HiSparseWorker:
         self.runner = runner
         self.step = StepResidency()
         self._plan: HiSparseStepPlan | None = None
-        self._hot: dict[tuple[str, str], _HotRows] = {}  # (request id, layer) -> hot rows
+        self._hot: dict[str, _LayerHot] = {}  # layer -> its hot state
         self._stamp = 0
-        self.rows_loaded = 0
-        self.rows_hit = 0
+        # Per step: the requests with HOST pages (rows of every layer's hot state)
+        # and what every layer of the step shares.
+        self._serial = 0
+        self._mixed: list[str] = []
+        self._substep_cache: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._page_table_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._host_table_cache: dict[int, torch.Tensor] = {}
+        # Counted on the cache's device, read once per step.
+        self._rows_loaded = torch.zeros((), dtype=torch.long, device=first.device)
+        self._rows_hit = torch.zeros((), dtype=torch.long, device=first.device)
         logger.info(
             "Hybrid HiSparse worker: host pool of %d pages x %d sparse-MLA layers (%.2f GiB%s)",
             num_host_pages,
@@ -128,6 +136,7 @@ class HiSparseWorker:
             self._forget(rid)
         if plan is None:
             self.step = StepResidency()
+            self._start_resolution(self.step)
             return
         if plan.version != scheduling.HISPARSE_PLAN_VERSION:
             raise RuntimeError(
@@ -153,6 +162,14 @@ class HiSparseWorker:
             step.host_pages[entry.request_id] = dict(entry.host_pages)
             step.hot_blocks[entry.request_id] = entry.hot_block_ids
         self.step = step
+        self._start_resolution(step)
+
+    def _start_resolution(self, step: StepResidency) -> None:
+        self._serial += 1
+        self._mixed = list(step.host_pages)
+        self._substep_cache.clear()
+        self._page_table_cache.clear()
+        self._host_table_cache.clear()
 
     def finish_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """After the forward (or instead of one): run the planned copies, report them."""
@@ -164,9 +181,10 @@ class HiSparseWorker:
         if output is _empty_output():
             output = copy(output)
         output.hisparse_copied = self._run_copies(plan)
-        output.hisparse_rows_loaded = self.rows_loaded
-        output.hisparse_rows_hit = self.rows_hit
-        self.rows_loaded = self.rows_hit = 0
+        output.hisparse_rows_loaded = int(self._rows_loaded)
+        output.hisparse_rows_hit = int(self._rows_hit)
+        self._rows_loaded.zero_()
+        self._rows_hit.zero_()
         return output
 
     def _run_copies(self, plan: HiSparseStepPlan) -> list[tuple[str, int]]:
@@ -193,85 +211,165 @@ class HiSparseWorker:
         copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host)
 
     def _forget(self, request_id: str) -> None:
-        for key in [k for k in self._hot if k[0] == request_id]:
-            del self._hot[key]
+        """A finished or preempted request's hot rows may be reused: never keep them."""
+        for held in self._hot.values():
+            held.index.pop(request_id, None)
 
-    # -- the resolver, for the sparse-MLA backend ----------------------------------
+    # -- the resolver, for the sparse-MLA backends ---------------------------------
 
     def resolves(self, layer_name: str) -> bool:
-        """Whether this step's attention of `layer_name` goes through the resolver."""
+        """Whether this step's attention of `layer_name` goes through the resolver.
+
+        False on every step without a HOST page: the backend's own path then runs
+        untouched (Hybrid's point: no cost without pressure).
+        """
         return bool(self.step.host_pages) and layer_name in self.layer_index
 
-    def resolve(
+    def attend(
         self,
         layer_name: str,
         positions: torch.Tensor,
         req_ids: torch.Tensor,
-        batch_req_ids: list[str],
         block_table: torch.Tensor,
         kv_rows: torch.Tensor,
         stride_rows: int,
+        attend_all: Callable[[], torch.Tensor],
+        attend_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """Rows for one query token's selected positions [1, K] (one resolver sub-step).
+        """One sparse-MLA layer's attention output with the step's HOST pages resolved.
 
-        `block_table` holds the layer group's block ids per batch row (the null
-        block, id 0, for a demoted page).
+        positions [T, K]: the indexer's selection per query token (-1 padded);
+        req_ids [T]: each token's batch row; block_table: the layer group's block
+        ids per batch row (the null block, id 0, for a demoted page); kv_rows
+        [N, D]: the layer's cache as rows, block b's row i at b * stride_rows + i.
+
+        `attend_all()` is the backend's own path for the whole batch (its metadata
+        describes the whole batch); tokens of requests with HOST pages read the
+        null block there, and their outputs are then replaced: `attend_rows(tokens,
+        rows)` attends those tokens over `rows` [n, K] of `kv_rows`, same order as
+        their selections, -1 where a selection is -1.
+
+        The resolver runs in sub-steps: sub-step j resolves the j-th token of every
+        such request in one call, and attention reads it before the next sub-step
+        refills the hot slots. A prefill chunk or a multi-token decode may select
+        far more distinct rows than a hot buffer holds, one token never more than
+        top-K.
         """
-        row = int(req_ids[0])
-        request_id = batch_req_ids[row]
-        host = self.step.host_pages.get(request_id)
-        if host is None:
-            raise AssertionError(f"{request_id} has no HOST page this step")
-        num_pages = block_table.shape[1]
-        page_table = block_table[row : row + 1].long().clone()
-        page_table[page_table == 0] = -1
-        host_table = torch.full((1, num_pages), -1, dtype=torch.long)
-        for page, host_page in host.items():
-            if page < num_pages:
-                host_table[0, page] = host_page
-        hot = self._hot_rows(request_id, layer_name, stride_rows)
-        state = HotState(hot.rows.unsqueeze(0), hot.positions.unsqueeze(0), hot.stamps.unsqueeze(0))
-        before = hot.positions.clone()
-        self._stamp += 1
+        out = attend_all()
+        substeps = self._substeps(req_ids)
+        if not substeps:
+            return out
+        hot = self._layer_hot(layer_name, stride_rows, kv_rows.device)
+        page_table = self._mixed_page_table(block_table)
+        host_table = self._mixed_host_table(page_table.shape[1], kv_rows.device)
         host_rows = self.host_pool[self.layer_index[layer_name]].flatten(0, 1)
-        slots = resolve_topk_slots(
-            positions,
-            torch.zeros(1, dtype=torch.long),
-            page_table,
-            self.block_size,
-            kv_rows,
-            host_rows,
-            host_table,
-            state,
-            self._stamp,
-            block_stride_rows=stride_rows,
-        )
-        hot.positions.copy_(state.positions[0])
-        hot.stamps.copy_(state.stamps[0])
-        loaded = int((before != hot.positions).sum())
-        selected = positions[0].long()
-        valid = selected >= 0
-        on_host = valid & (page_table[0, selected.clamp(min=0) // self.block_size] < 0)
-        self.rows_loaded += loaded
-        self.rows_hit += int(on_host.sum()) - loaded
-        return slots
-
-    def _hot_rows(self, request_id: str, layer_name: str, stride_rows: int) -> _HotRows:
-        lease = self.step.hot_blocks[request_id]
-        key = (request_id, layer_name)
-        hot = self._hot.get(key)
-        if hot is None or hot.lease != lease:
-            blocks = lease[self.mla_group_ids.index(self.group_of_layer[layer_name])]
-            rows = torch.cat([torch.arange(self.block_size) + b * stride_rows for b in blocks])
-            rows = rows[: self.hot_rows].long()
-            hot = _HotRows(
-                lease=lease,
-                rows=rows,
-                positions=torch.full_like(rows, -1),
-                stamps=torch.full_like(rows, -1),
+        for tokens, mixed in substeps:
+            selected = positions[tokens]
+            before = hot.positions[mixed].clone()
+            self._stamp += 1
+            rows = resolve_topk_slots(
+                selected, mixed, page_table, self.block_size, kv_rows, host_rows, host_table,
+                hot, self._stamp, block_stride_rows=stride_rows,
             )
-            self._hot[key] = hot
-        return hot
+            loaded = (before != hot.positions[mixed]).sum()
+            pages = selected.long().clamp(min=0) // self.block_size
+            on_host = (selected >= 0) & (page_table[mixed.unsqueeze(1), pages] < 0)
+            self._rows_loaded += loaded
+            self._rows_hit += on_host.sum() - loaded
+            out[tokens] = attend_rows(tokens, rows).to(out.dtype)
+        return out
+
+    def _substeps(self, req_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tokens, their rows in the stacked hot state) per sub-step; [] without such tokens.
+
+        The same for every layer of the step, so it is computed once per token count.
+        """
+        key = int(req_ids.numel())
+        cached = self._substep_cache.get(key)
+        if cached is not None:
+            return cached
+        mixed_of_batch_row = {
+            row: m for m, rid in enumerate(self._mixed) if (row := self._batch_row(rid)) is not None
+        }
+        rank: dict[int, int] = {}
+        by_rank: dict[int, tuple[list[int], list[int]]] = {}
+        for t, batch_row in enumerate(req_ids.tolist()):
+            m = mixed_of_batch_row.get(batch_row)
+            if m is None:
+                continue
+            j = rank.get(m, 0)
+            rank[m] = j + 1
+            tokens, mixed = by_rank.setdefault(j, ([], []))
+            tokens.append(t)
+            mixed.append(m)
+        device = req_ids.device
+        substeps = [
+            (torch.tensor(tokens, dtype=torch.long, device=device),
+             torch.tensor(mixed, dtype=torch.long, device=device))
+            for tokens, mixed in (by_rank[j] for j in sorted(by_rank))
+        ]
+        self._substep_cache[key] = substeps
+        return substeps
+
+    def _batch_row(self, request_id: str) -> int | None:
+        return self.runner.input_batch.req_id_to_index.get(request_id)
+
+    def _mixed_page_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """[M, P] device block of each page of the step's requests with HOST pages, -1 if none."""
+        key = (block_table.data_ptr(), tuple(block_table.shape))
+        table = self._page_table_cache.get(key)
+        if table is None:
+            # A request outside this batch gets any row: no token of the batch reads it.
+            batch_rows = [self._batch_row(rid) or 0 for rid in self._mixed]
+            rows = torch.tensor(batch_rows, dtype=torch.long, device=block_table.device)
+            table = block_table[rows].long()
+            table[table == 0] = -1  # the null block: the page is not resident
+            self._page_table_cache[key] = table
+        return table
+
+    def _mixed_host_table(self, num_pages: int, device: torch.device) -> torch.Tensor:
+        """[M, P] host page holding each page of the step's requests with HOST pages, -1 if none."""
+        table = self._host_table_cache.get(num_pages)
+        if table is None:
+            table = torch.full((len(self._mixed), num_pages), -1, dtype=torch.long)
+            for m, rid in enumerate(self._mixed):
+                for page, host_page in self.step.host_pages[rid].items():
+                    if page < num_pages:
+                        table[m, page] = host_page
+            table = table.to(device)
+            self._host_table_cache[num_pages] = table
+        return table
+
+    def _layer_hot(self, layer_name: str, stride_rows: int, device: torch.device) -> HotState:
+        """The layer's hot state for the step's requests with HOST pages, one row each.
+
+        A request keeps its rows, held positions and stamps from earlier steps while
+        its lease is unchanged; a new or changed lease starts empty.
+        """
+        held = self._hot.get(layer_name)
+        if held is not None and held.serial == self._serial:
+            return held.state
+        group = self.mla_group_ids.index(self.group_of_layer[layer_name])
+        leases = [self.step.hot_blocks[rid] for rid in self._mixed]
+        offsets = torch.arange(self.block_size)
+        rows = torch.stack([
+            torch.cat([offsets + b * stride_rows for b in lease[group]])[: self.hot_rows]
+            for lease in leases
+        ]).long().to(device)
+        state = HotState(rows, torch.full_like(rows, -1), torch.full_like(rows, -1))
+        if held is not None:
+            keep = [
+                (m, held.index[rid]) for m, rid in enumerate(self._mixed)
+                if rid in held.index and held.leases[held.index[rid]] == leases[m]
+            ]
+            if keep:
+                new, old = (torch.tensor(c, dtype=torch.long, device=device) for c in zip(*keep, strict=True))
+                state.positions[new] = held.state.positions[old]
+                state.stamps[new] = held.state.stamps[old]
+        self._hot[layer_name] = _LayerHot(
+            self._serial, state, {rid: m for m, rid in enumerate(self._mixed)}, leases
+        )
+        return state
 
 
 # The worker whose step is running in this process, for the attention backend.

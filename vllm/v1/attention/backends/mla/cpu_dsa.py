@@ -300,55 +300,21 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         positions = self.topk_indices_buffer[:num_tokens]
         req_ids = attn_metadata.req_id_per_token[:num_tokens]
         rows, stride_rows = latent_rows(kv_c_and_k_pe_cache)
-        hisparse = active_hisparse_worker()
-        if hisparse is not None and hisparse.resolves(layer.layer_name):
-            out = self._forward_hisparse(q, positions, req_ids, rows, stride_rows, attn_metadata, layer)
-            return out, None
-        slots = dsa_torch.positions_to_slots(
-            positions, req_ids, attn_metadata.block_table, attn_metadata.block_size, stride_rows
-        )
-        out = dsa_torch.sparse_mla_attention(q, rows, slots, self.scale, self.kv_lora_rank)
-        return out, None
+        block_table = attn_metadata.block_table
 
-    def _forward_hisparse(
-        self,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        req_ids: torch.Tensor,
-        rows: torch.Tensor,
-        stride_rows: int,
-        attn_metadata: CPUDSAMetadata,
-        layer: AttentionLayer,
-    ) -> torch.Tensor:
-        """Attention with some requests' pages in the host pool: their rows go through the resolver.
-
-        Tokens of fully resident requests take the block table as usual. Each token
-        of a request with HOST pages is resolved and attended on its own, so one
-        resolver step never selects more than top-K rows of a hot buffer (a prefill
-        chunk may select far more distinct rows than the buffer holds in total).
-        """
-        hisparse = active_hisparse_worker()
-        assert hisparse is not None
-        batch_req_ids = hisparse.batch_request_ids()
-        mixed = torch.tensor(
-            [batch_req_ids[int(r)] in hisparse.step.host_pages for r in req_ids.tolist()], dtype=torch.bool
-        )
-        out = torch.empty(q.shape[0], q.shape[1], self.kv_lora_rank, dtype=q.dtype)
-        resident = torch.nonzero(~mixed).flatten()
-        if resident.numel():
+        def attend_all() -> torch.Tensor:
             slots = dsa_torch.positions_to_slots(
-                positions[resident], req_ids[resident], attn_metadata.block_table,
-                attn_metadata.block_size, stride_rows,
+                positions, req_ids, block_table, attn_metadata.block_size, stride_rows
             )
-            out[resident] = dsa_torch.sparse_mla_attention(
-                q[resident], rows, slots, self.scale, self.kv_lora_rank
-            )
-        for t in torch.nonzero(mixed).flatten().tolist():
-            slots = hisparse.resolve(
-                layer.layer_name, positions[t : t + 1], req_ids[t : t + 1], batch_req_ids,
-                attn_metadata.block_table, rows, stride_rows,
-            )
-            out[t : t + 1] = dsa_torch.sparse_mla_attention(
-                q[t : t + 1], rows, slots, self.scale, self.kv_lora_rank
-            )
-        return out
+            return dsa_torch.sparse_mla_attention(q, rows, slots, self.scale, self.kv_lora_rank)
+
+        hisparse = active_hisparse_worker()
+        if hisparse is None or not hisparse.resolves(layer.layer_name):
+            return attend_all(), None
+        out = hisparse.attend(
+            layer.layer_name, positions, req_ids, block_table, rows, stride_rows, attend_all,
+            lambda tokens, slots: dsa_torch.sparse_mla_attention(
+                q[tokens], rows, slots, self.scale, self.kv_lora_rank
+            ),
+        )
+        return out, None
