@@ -203,3 +203,75 @@ def test_the_host_pool_is_shared_by_the_tensor_parallel_replicas(tiny_glm_dsa_di
     assert single == (1 << 30) // sparse_mla_page_bytes(config)
     config.parallel_config.tensor_parallel_size = 8  # every rank keeps a replica of the latent cache
     assert host_pool_pages(config) == single // 8
+
+
+class _CudaPlatform:
+    """A CUDA platform of a given compute capability (the seam: no GPU here)."""
+
+    def __init__(self, major: int) -> None:
+        self.major = major
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def get_device_capability(self):
+        from vllm.platforms.interface import DeviceCapability
+
+        return DeviceCapability(self.major, 0)
+
+
+@pytest.mark.parametrize(("major", "executable"), [(9, True), (10, True), (12, False)])
+def test_plans_run_on_the_gpus_whose_sparse_mla_backends_resolve(monkeypatch, major, executable):
+    import vllm.platforms
+    from vllm.v1.hisparse.scheduling import plans_executable
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", _CudaPlatform(major))
+    assert plans_executable() is executable
+
+
+def test_on_cuda_every_sparse_mla_read_goes_where_the_resolver_sees_it(tiny_glm_dsa_dir):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.config.hisparse import route_sparse_mla_through_the_resolver
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    route_sparse_mla_through_the_resolver(config)
+    assert config.attention_config.sparse_mla_force_mqa, "no dense or masked MHA prefill"
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    route_sparse_mla_through_the_resolver(config)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE, "eager stays eager"
+
+
+@pytest.mark.parametrize("backend", ["FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE", "FLASH_ATTN_MLA_SPARSE"])
+def test_on_cuda_the_resolving_backends_are_accepted(tiny_glm_dsa_dir, backend):
+    from vllm.config.hisparse import route_sparse_mla_through_the_resolver
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    config.attention_config.backend = AttentionBackendEnum[backend]
+    route_sparse_mla_through_the_resolver(config)
+
+
+def test_on_cuda_a_backend_that_does_not_resolve_is_refused_by_name(tiny_glm_dsa_dir):
+    from vllm.config.hisparse import route_sparse_mla_through_the_resolver
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    config.attention_config.backend = AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM120
+    refused = "--attention-backend is FLASHINFER_MLA_SPARSE_SM120. Use one of FLASHMLA_SPARSE"
+    with pytest.raises(ValueError, match=refused):
+        route_sparse_mla_through_the_resolver(config)
+
+
+def test_on_cuda_context_parallelism_is_refused(tiny_glm_dsa_dir):
+    from vllm.config.hisparse import route_sparse_mla_through_the_resolver
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        route_sparse_mla_through_the_resolver(config)

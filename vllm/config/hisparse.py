@@ -200,6 +200,10 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
         from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
 
         vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            route_sparse_mla_through_the_resolver(vllm_config)
         logger.info(
             "Hybrid HiSparse: on (mode=%s, host_pool_gib=%s, device_buffer_size=%d).",
             hisparse.mode,
@@ -216,3 +220,49 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             hisparse.host_pool_gib,
             hisparse.device_buffer_size,
         )
+
+
+def route_sparse_mla_through_the_resolver(vllm_config: VllmConfig) -> None:
+    """On CUDA: every sparse-MLA read must go where the resolver can see it.
+
+    - Only backends whose top-K attention resolves through HiSparse
+      (`RESOLVING_BACKENDS`) may run; vLLM picks one of them on Hopper and
+      Blackwell unless told otherwise.
+    - Prefills take the top-K (MQA) path: the dense and masked MHA prefill paths
+      read a request's whole context through its block table, where a demoted
+      page is the null block.
+    - CUDA graphs are piecewise, so attention runs eagerly and the resolver runs
+      on the steps that need it; a full graph would replay the fully resident
+      path.
+    - Context parallelism splits the KV cache across ranks, which the host pool
+      and the hot buffers do not.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.hisparse.sparse_mla import RESOLVING_BACKENDS
+
+    attention = vllm_config.attention_config
+    if attention.backend is not None and attention.backend.name not in RESOLVING_BACKENDS:
+        raise ValueError(
+            f"hisparse_config needs a sparse-MLA attention backend that resolves through it; "
+            f"--attention-backend is {attention.backend.name}. Use one of "
+            f"{', '.join(RESOLVING_BACKENDS[1:])}, or leave it unset"
+        )
+    parallel = vllm_config.parallel_config
+    for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, field, 1)
+        if size > 1:
+            raise ValueError(
+                f"hisparse_config does not support context parallelism ({field}={size}); "
+                f"set it to 1 or remove hisparse_config"
+            )
+    if not attention.sparse_mla_force_mqa:
+        attention.sparse_mla_force_mqa = True
+        logger.info("Hybrid HiSparse: sparse-MLA prefills take the top-K path (sparse_mla_force_mqa).")
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode is None or compilation.cudagraph_mode.has_full_cudagraphs():
+        logger.info(
+            "Hybrid HiSparse: CUDA graphs are piecewise (was %s) so the resolver runs on the steps "
+            "that need it.",
+            "the default" if compilation.cudagraph_mode is None else compilation.cudagraph_mode.name,
+        )
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE

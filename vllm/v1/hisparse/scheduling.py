@@ -59,20 +59,30 @@ HISPARSE_PLAN_VERSION = 2
 workers_execute_plans: bool | None = None
 
 
+# CUDA compute capability majors whose sparse-MLA backends resolve (Hopper, Blackwell DC).
+RESOLVING_CUDA_MAJORS = (9, 10)
+
+
 def plans_executable() -> bool:
     """Whether this build's workers execute residency plans on this platform.
 
-    The CPU sparse-MLA backend resolves through HiSparse; the CUDA sparse-MLA
-    backends of this build do not yet. Where plans cannot run, HiSparse stays
-    off after validating its config: upstream's KV cache grouping, layout,
-    start-up sizing and admission, no scheduler or worker state, and a KV
-    connector that handles every group.
+    The CPU sparse-MLA backend and the CUDA sparse-MLA backends of Hopper and
+    Blackwell data-centre GPUs resolve through HiSparse (see
+    `vllm/v1/hisparse/sparse_mla.py`). Elsewhere HiSparse stays off after
+    validating its config: upstream's KV cache grouping, layout, start-up sizing
+    and admission, no scheduler or worker state, and a KV connector that handles
+    every group.
     """
     if workers_execute_plans is not None:
         return workers_execute_plans
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    if current_platform.is_cpu():
+        return True
+    if not current_platform.is_cuda():
+        return False
+    capability = current_platform.get_device_capability()
+    return capability is not None and capability.major in RESOLVING_CUDA_MAJORS
 
 
 @dataclass(frozen=True)

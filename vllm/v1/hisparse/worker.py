@@ -36,7 +36,7 @@ from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.resolver import HotState, resolve_topk_slots
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.hisparse.residency import PageCopy
@@ -68,15 +68,18 @@ class StepResidency:
 class HiSparseWorker:
     """The worker-side executor of Hybrid HiSparse plans for one model runner."""
 
-    def __init__(self, runner: Any, kv_caches: dict[str, torch.Tensor]) -> None:
-        vllm_config = runner.vllm_config
-        config = vllm_config.attention_config.hisparse_config
-        assert config is not None and config.device_buffer_size is not None
-        groups = runner.kv_cache_config.kv_cache_groups
-        # The layers whose pages move; the resident group (indexer, MTP drafter) reads in place.
-        self.group_of_layer: dict[str, int] = {
-            name: g for g in hisparse_managed_group_ids(groups) for name in groups[g].layer_names
-        }
+    def __init__(
+        self,
+        runner: Any,
+        kv_caches: dict[str, torch.Tensor],
+        group_of_layer: dict[str, int],
+        hot_rows: int,
+        num_host_pages: int,
+    ) -> None:
+        """`group_of_layer`: the KV cache group of each layer whose pages move (the
+        resident group, indexer and MTP drafter, reads in place); `hot_rows`: rows of
+        a hot buffer; `num_host_pages`: pages of the host pool."""
+        self.group_of_layer = dict(group_of_layer)
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layers = list(self.group_of_layer)
         self.layer_index = {name: i for i, name in enumerate(self.layers)}
@@ -89,8 +92,7 @@ class HiSparseWorker:
         first = self.kv_caches[self.layers[0]]
         self.block_size = first.shape[1]
         width = first.shape[2]
-        self.hot_rows = config.device_buffer_size
-        num_host_pages = host_pool_pages(vllm_config)
+        self.hot_rows = hot_rows
         pin = first.is_cuda
         self.host_pool = torch.empty(
             (len(self.layers), num_host_pages, self.block_size, width),
@@ -397,4 +399,30 @@ def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> H
             "scheduler keeps the sparse-MLA KV cache resident."
         )
         return None
-    return HiSparseWorker(runner, kv_caches)
+    groups = runner.kv_cache_config.kv_cache_groups
+    group_of_layer = {name: g for g in hisparse_managed_group_ids(groups) for name in groups[g].layer_names}
+    _check_layers_resolve(runner, group_of_layer)
+    config = runner.vllm_config.attention_config.hisparse_config
+    assert config.device_buffer_size is not None
+    return HiSparseWorker(
+        runner,
+        kv_caches,
+        group_of_layer,
+        hot_rows=config.device_buffer_size,
+        num_host_pages=host_pool_pages(runner.vllm_config),
+    )
+
+
+def _check_layers_resolve(runner: Any, layers: Iterable[str]) -> None:
+    """Refuse, before the host pool is allocated, a managed layer whose backend would not resolve."""
+    from vllm.v1.hisparse.sparse_mla import RESOLVING_BACKENDS, impl_resolves
+
+    context = runner.vllm_config.compilation_config.static_forward_context
+    for name in layers:
+        impl = getattr(context.get(name), "impl", None)
+        if impl is None or not impl_resolves(impl):
+            raise RuntimeError(
+                f"Hybrid HiSparse: layer {name} attends through {type(impl).__name__}, which "
+                f"does not resolve pages in the host pool; start with --attention-backend one "
+                f"of {', '.join(RESOLVING_BACKENDS[1:])}, or without hisparse_config"
+            )

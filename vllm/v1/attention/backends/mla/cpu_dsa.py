@@ -39,7 +39,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 from vllm.v1.attention.ops import dsa_torch
-from vllm.v1.hisparse.worker import active_hisparse_worker
+from vllm.v1.hisparse.sparse_mla import concat_q, resolves_through_hisparse
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 if TYPE_CHECKING:
@@ -234,6 +234,11 @@ def latent_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows, stride_rows
 
 
+def _attend_rows(impl, q, kv_cache, kv_rows, stride_rows, rows, attn_metadata) -> torch.Tensor:
+    """Attention of some tokens over given rows of the latent cache (HiSparse's resolved rows)."""
+    return dsa_torch.sparse_mla_attention(concat_q(q), kv_rows, rows, impl.scale, impl.kv_lora_rank)
+
+
 class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
     is_sparse = True
     supports_dense_mha_prefill = False
@@ -286,6 +291,7 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         rows[slots, : self.kv_lora_rank] = kv_c_normed[keep].to(rows.dtype)
         rows[slots, self.kv_lora_rank :] = k_pe.flatten(1)[keep].to(rows.dtype)
 
+    @resolves_through_hisparse(_attend_rows, row_view=lambda cache, _block_size: latent_rows(cache))
     def forward_mqa(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -293,28 +299,13 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         attn_metadata: CPUDSAMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
+        q = concat_q(q)
         assert self.topk_indices_buffer is not None
         num_tokens = q.shape[0]
         positions = self.topk_indices_buffer[:num_tokens]
         req_ids = attn_metadata.req_id_per_token[:num_tokens]
         rows, stride_rows = latent_rows(kv_c_and_k_pe_cache)
-        block_table = attn_metadata.block_table
-
-        def attend_all() -> torch.Tensor:
-            slots = dsa_torch.positions_to_slots(
-                positions, req_ids, block_table, attn_metadata.block_size, stride_rows
-            )
-            return dsa_torch.sparse_mla_attention(q, rows, slots, self.scale, self.kv_lora_rank)
-
-        hisparse = active_hisparse_worker()
-        if hisparse is None or not hisparse.resolves(layer.layer_name):
-            return attend_all(), None
-        out = hisparse.attend(
-            layer.layer_name, positions, req_ids, block_table, rows, stride_rows, attend_all,
-            lambda tokens, slots: dsa_torch.sparse_mla_attention(
-                q[tokens], rows, slots, self.scale, self.kv_lora_rank
-            ),
+        slots = dsa_torch.positions_to_slots(
+            positions, req_ids, attn_metadata.block_table, attn_metadata.block_size, stride_rows
         )
-        return out, None
+        return dsa_torch.sparse_mla_attention(q, rows, slots, self.scale, self.kv_lora_rank), None
