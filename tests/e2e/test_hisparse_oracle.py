@@ -139,6 +139,40 @@ def test_tokens_under_pressure_equal_the_all_resident_run(model, resident, mode)
     assert tokens2 == ref_tokens2
 
 
+def test_async_scheduling_under_pressure_keeps_the_tokens(model, resident):
+    """vLLM schedules the next step while the last one runs (CUDA's default; the CPU
+    platform turns it off, so the test turns it back on): plans and copy reports
+    then trail the scheduler by a step."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    check_and_update_config = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async_scheduling(cls, vllm_config):
+        check_and_update_config(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    scheduled = []
+    schedule = AsyncScheduler.schedule
+
+    def counted_schedule(self, *args, **kwargs):
+        scheduled.append(1)
+        return schedule(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_scheduling))
+        mp.setattr(AsyncScheduler, "schedule", counted_schedule)
+        tokens, tokens2, cached2, stats, preemptions, _ = two_turns(
+            model, churn=True, attention_config=hisparse(), **PRESSURE
+        )
+    ref_tokens, ref_tokens2, ref_cached2, *_ = resident
+    assert scheduled, "the asynchronous scheduler ran"
+    assert stats["pages_demoted"] > 0 and stats["request_steps_none"] > 0 and stats["rows_loaded"] > 0
+    assert preemptions == 0
+    assert (tokens, tokens2, cached2) == (ref_tokens, ref_tokens2, ref_cached2)
+
+
 def test_without_pressure_hybrid_keeps_every_request_full(model, resident):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
