@@ -224,11 +224,11 @@ def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name
 
 
 def test_where_plans_do_not_run_hisparse_stays_off_and_the_connector_keeps_every_group(model, monkeypatch):
-    """The CUDA backends of this build do not resolve through HiSparse. There a valid
-    hisparse_config changes nothing: upstream's KV cache grouping and layout, no
-    residency, and a connector that stores and loads every group, so the run is the
-    connector-only run byte for byte. Played on CPU by declaring that workers do not
-    execute plans."""
+    """Where the sparse-MLA backends do not resolve (GPUs other than Hopper and
+    Blackwell data-centre parts), a valid hisparse_config changes nothing: upstream's
+    KV cache grouping and layout, no residency, and a connector that stores and loads
+    every group, so the run is the connector-only run byte for byte. Played on CPU by
+    declaring that workers do not execute plans."""
     from vllm.v1.hisparse import scheduling
 
     reference = offloading_turns(model, "CPUOffloadingSpec")

@@ -12,8 +12,8 @@ crosses into it is narrowed to those groups.
 A connector hit then covers only the connector's groups; the scheduler side
 of HiSparse (`HiSparseScheduling.cap_external_hit`) limits it to pages whose
 sparse-MLA content the host pool holds and serves those pages from there.
-Where residency plans do not run (the CUDA backends of this build), the
-connector keeps every group, as upstream.
+Where residency plans do not run (see `plans_executable`), the connector
+keeps every group, as upstream.
 
 It never touches tensors or the connector's state; it only filters.
 """
