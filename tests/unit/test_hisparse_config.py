@@ -275,3 +275,35 @@ def test_on_cuda_context_parallelism_is_refused(tiny_glm_dsa_dir):
     config.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         route_sparse_mla_through_the_resolver(config)
+
+
+def test_hisparse_keeps_the_v1_model_runner_that_executes_its_plans(tiny_glm_dsa_dir):
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    assert "Hybrid HiSparse (hisparse_config)" in config._get_v2_model_runner_unsupported_features()
+
+
+def test_on_cuda_a_forced_v2_model_runner_is_refused(tiny_glm_dsa_dir, monkeypatch):
+    from vllm import envs
+    from vllm.config.hisparse import route_sparse_mla_through_the_resolver
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1 selects the V2 runner"):
+        route_sparse_mla_through_the_resolver(config)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "fp8", "auto"])
+def test_a_page_is_sized_by_the_cache_dtypes_row(tiny_glm_dsa_dir, cache_dtype):
+    from vllm.config.hisparse import sparse_mla_page_bytes
+
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    hf = config.model_config.hf_text_config
+    values = hf.kv_lora_rank + hf.qk_rope_head_dim
+    bytes_per_token = {
+        "fp8_ds_mla": 512 + 4 * 4 + 64 * 2,  # FlashMLA's row: fp8 latent, fp32 scales, bf16 rope
+        "fp8": values,
+        "auto": values * config.model_config.dtype.itemsize,
+    }[cache_dtype]
+    config.cache_config.cache_dtype = cache_dtype
+    layers = config.model_config.get_total_num_hidden_layers()
+    assert sparse_mla_page_bytes(config) == bytes_per_token * 64 * layers

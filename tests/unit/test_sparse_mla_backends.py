@@ -48,13 +48,18 @@ REQ_ID_PER_TOKEN = [0, 0, 1, 1, 1]  # three query tokens of the request with hos
 class Case:
     """One seeded batch: the KV cache, the queries and the indexer's selections."""
 
-    def __init__(self, fp8: bool) -> None:
+    def __init__(self, kind: str) -> None:
+        """kind: "bf16"; "fp8_ds_mla" (FlashMLA's 656-byte rows with scales); "fp8"
+        (576 fp8 values, stored as uint8 and seen by the backend as float8_e4m3fn)."""
         g = torch.Generator().manual_seed(7)
-        width = FP8_WIDTH if fp8 else WIDTH
-        if fp8:
-            storage = torch.randint(0, 256, (NUM_BLOCKS, 2 * BLOCK, width), generator=g, dtype=torch.uint8)
+        self.kind = kind
+        shape = (NUM_BLOCKS, 2 * BLOCK, FP8_WIDTH if kind == "fp8_ds_mla" else WIDTH)
+        if kind == "fp8_ds_mla":
+            storage = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        elif kind == "fp8":
+            storage = torch.randn(shape, generator=g).to(torch.float8_e4m3fn).view(torch.uint8)
         else:
-            storage = torch.randn(NUM_BLOCKS, 2 * BLOCK, width, generator=g).to(torch.bfloat16)
+            storage = torch.randn(shape, generator=g).to(torch.bfloat16)
         # Another layer's page sits after each block of this one: 128 rows per block.
         self.storage = storage
         self.cache = storage[:, :BLOCK]
@@ -71,6 +76,10 @@ class Case:
                 chosen[-5:] = -1  # a short selection, -1 padded
             picks.append(chosen)
         self.positions = torch.stack(picks).to(torch.int32)
+
+    def seen_by_backend(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache as the attention layer hands it to the backend."""
+        return cache.view(torch.float8_e4m3fn) if self.kind == "fp8" else cache
 
     def metadata(self, table, **extra) -> SimpleNamespace:
         return SimpleNamespace(
@@ -126,7 +135,8 @@ def fake_convert(req_id, block_table, token_indices, BLOCK_SIZE=64, BLOCK_STRIDE
     return (rows, (rows >= 0).sum(-1, dtype=torch.int32)) if return_valid_counts else rows
 
 
-def flashmla(monkeypatch, case: Case, fp8: bool, calls: KernelCalls):
+def flashmla(monkeypatch, case: Case, calls: KernelCalls):
+    fp8 = case.kind == "fp8_ds_mla"
     from vllm.v1.attention.backends.mla import flashmla_sparse as backend
 
     def sparse_fwd(q, kv, indices, sm_scale, topk_length=None, **_):
@@ -177,7 +187,7 @@ def flashmla(monkeypatch, case: Case, fp8: bool, calls: KernelCalls):
     return impl, extra
 
 
-def flashinfer(monkeypatch, case: Case, fp8: bool, calls: KernelCalls):
+def flashinfer(monkeypatch, case: Case, calls: KernelCalls):
     from vllm.v1.attention.backends.mla import flashinfer_mla_sparse as backend
     from vllm.v1.attention.backends.mla.sparse_utils import flat_kv_row_view
 
@@ -204,14 +214,14 @@ def flashinfer(monkeypatch, case: Case, fp8: bool, calls: KernelCalls):
     impl._workspace_buffer = torch.empty(1)
     impl.bmm1_scale = impl.bmm2_scale = None
     impl.scale = SCALE
-    impl.kv_cache_dtype = "auto"
+    impl.kv_cache_dtype = case.kind if case.kind == "fp8" else "auto"
     impl.kv_lora_rank = LATENT
     impl.qk_nope_head_dim = 128
     impl.qk_rope_head_dim = WIDTH - LATENT
     return impl, {}
 
 
-def flashattn(monkeypatch, case: Case, fp8: bool, calls: KernelCalls):
+def flashattn(monkeypatch, case: Case, calls: KernelCalls):
     def varlen(q, k, v, q_v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
                softmax_scale, causal, fa_version):
         calls.count += 1
@@ -240,10 +250,11 @@ def flashattn(monkeypatch, case: Case, fp8: bool, calls: KernelCalls):
 
 
 BACKENDS = {
-    "flashmla-bf16": (flashmla, False),
-    "flashmla-fp8": (flashmla, True),
-    "flashinfer": (flashinfer, False),
-    "flashattn": (flashattn, False),
+    "flashmla-bf16": (flashmla, "bf16"),
+    "flashmla-fp8": (flashmla, "fp8_ds_mla"),
+    "flashinfer-bf16": (flashinfer, "bf16"),
+    "flashinfer-fp8": (flashinfer, "fp8"),
+    "flashattn-bf16": (flashattn, "bf16"),
 }
 
 
@@ -254,23 +265,25 @@ def no_active_worker(monkeypatch):
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, monkeypatch):
-    build, fp8 = BACKENDS[name]
-    case = Case(fp8)
+    build, kind = BACKENDS[name]
+    case = Case(kind)
     calls = KernelCalls()
-    impl, extra = build(monkeypatch, case, fp8, calls)
+    impl, extra = build(monkeypatch, case, calls)
     assert impl_resolves(impl)
     layer = SimpleNamespace(layer_name=LAYER, _q_scale_float=1.0, _k_scale_float=1.0)
 
-    expected, _ = impl.forward_mqa(case.q, case.cache, case.metadata(RESIDENT_TABLE, **extra), layer)
+    expected, _ = impl.forward_mqa(
+        case.q, case.seen_by_backend(case.cache), case.metadata(RESIDENT_TABLE, **extra), layer
+    )
 
     cache, worker = case.demote()
     hisparse_metadata = case.metadata(HISPARSE_TABLE, **extra)
-    unresolved, _ = impl.forward_mqa(case.q, cache, hisparse_metadata, layer)
+    unresolved, _ = impl.forward_mqa(case.q, case.seen_by_backend(cache), hisparse_metadata, layer)
     assert not torch.equal(unresolved[2:], expected[2:]), "the demoted pages matter to these tokens"
 
     worker.begin_step(plan(((0, 0), (1, 1))))
     calls.count = 0
-    out, lse = impl.forward_mqa(case.q, cache, hisparse_metadata, layer)
+    out, lse = impl.forward_mqa(case.q, case.seen_by_backend(cache), hisparse_metadata, layer)
     report = worker.finish_step(SimpleNamespace())
 
     assert lse is None
@@ -284,15 +297,15 @@ def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, mo
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_cuda_backend_without_host_pages_runs_untouched(name, monkeypatch):
-    build, fp8 = BACKENDS[name]
-    case = Case(fp8)
+    build, kind = BACKENDS[name]
+    case = Case(kind)
     calls = KernelCalls()
-    impl, extra = build(monkeypatch, case, fp8, calls)
+    impl, extra = build(monkeypatch, case, calls)
     layer = SimpleNamespace(layer_name=LAYER, _q_scale_float=1.0, _k_scale_float=1.0)
     _, worker = case.demote()
     worker.begin_step(plan(()))
 
-    impl.forward_mqa(case.q, case.cache, case.metadata(RESIDENT_TABLE, **extra), layer)
+    impl.forward_mqa(case.q, case.seen_by_backend(case.cache), case.metadata(RESIDENT_TABLE, **extra), layer)
     report = worker.finish_step(SimpleNamespace())
 
     assert calls.count == 1

@@ -29,7 +29,7 @@ GiB = 1 << 30
 # Page geometry of the sparse-MLA KV cache: the CUDA sparse-MLA backends of
 # vLLM 0.29.0 use 64-token blocks, and a HiSparse page is one such block.
 SPARSE_MLA_PAGE_TOKENS = 64
-# Bytes per token of one layer in the fp8 sparse-MLA cache layout: 512 fp8
+# Bytes per token of one layer in the fp8_ds_mla cache layout (FlashMLA): 512 fp8
 # latent values, 4 float32 scales and 64 bf16 rope values.
 FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
 # The default hot buffer holds this many times the model's index top-K rows.
@@ -133,8 +133,10 @@ def sparse_mla_page_bytes(vllm_config: VllmConfig) -> int:
     """Bytes of one page (64 tokens) of every sparse-MLA layer together."""
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
-    if vllm_config.cache_config.cache_dtype.startswith("fp8"):
+    if vllm_config.cache_config.cache_dtype == "fp8_ds_mla":
         per_token = FP8_SPARSE_MLA_BYTES_PER_TOKEN
+    elif vllm_config.cache_config.cache_dtype.startswith("fp8"):
+        per_token = hf.kv_lora_rank + hf.qk_rope_head_dim  # one byte per value, no scales
     else:
         per_token = (hf.kv_lora_rank + hf.qk_rope_head_dim) * model_config.dtype.itemsize
     return per_token * SPARSE_MLA_PAGE_TOKENS * model_config.get_total_num_hidden_layers()
@@ -236,9 +238,19 @@ def route_sparse_mla_through_the_resolver(vllm_config: VllmConfig) -> None:
       path.
     - Context parallelism splits the KV cache across ranks, which the host pool
       and the hot buffers do not.
+    - The V1 model runner executes the plans; `VllmConfig.use_v2_model_runner`
+      keeps it whenever hisparse_config is set (patch 0001), unless the V2 runner
+      is forced, which is refused here.
     """
+    from vllm import envs
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.hisparse.sparse_mla import RESOLVING_BACKENDS
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(
+            "hisparse_config runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER=1 "
+            "selects the V2 runner; unset VLLM_USE_V2_MODEL_RUNNER or remove hisparse_config"
+        )
 
     attention = vllm_config.attention_config
     if attention.backend is not None and attention.backend.name not in RESOLVING_BACKENDS:

@@ -265,6 +265,9 @@ class HiSparseWorker:
         page_table = self._mixed_page_table(block_table)
         host_table = self._mixed_host_table(page_table.shape[1], kv_rows.device)
         host_rows = self.host_pool[self.layer_index[layer_name]].flatten(0, 1)
+        if host_rows.dtype != kv_rows.dtype:
+            # The backend may see the cache reinterpreted (e.g. uint8 storage as fp8).
+            host_rows = host_rows.view(kv_rows.dtype)
         for tokens, mixed in substeps:
             selected = positions[tokens]
             before = hot.positions[mixed].clone()
@@ -402,6 +405,13 @@ def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> H
     groups = runner.kv_cache_config.kv_cache_groups
     group_of_layer = {name: g for g in hisparse_managed_group_ids(groups) for name in groups[g].layer_names}
     _check_layers_resolve(runner, group_of_layer)
+    if runner.vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
+        raise RuntimeError(
+            "Hybrid HiSparse: CUDA graph mode "
+            f"{runner.vllm_config.compilation_config.cudagraph_mode.name} captures attention, "
+            "so a replay would skip the resolver; a compilation pass that needs full graphs "
+            "(sequence parallelism, attention-quant fusion) cannot run with hisparse_config"
+        )
     config = runner.vllm_config.attention_config.hisparse_config
     assert config.device_buffer_size is not None
     return HiSparseWorker(
