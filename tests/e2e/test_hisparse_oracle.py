@@ -242,6 +242,52 @@ def test_where_plans_do_not_run_hisparse_stays_off_and_the_connector_keeps_every
     assert (tokens, tokens2) == reference[:2]
 
 
+def test_a_connector_hit_keeps_its_host_pages_until_its_request_is_scheduled(model, monkeypatch):
+    """Six agent sessions, three turns each, on the 110-block pool with both announcement
+    flags: some connector hits finish loading in a step that cannot schedule their
+    request yet. Their sparse-MLA pages must stay host placeholders until the request
+    runs; registering the placeholders' null block as the pages' device copy sent the
+    resolver to rows that exist nowhere."""
+    from vllm.v1.hisparse.scheduling import HiSparseScheduling
+    from vllm.v1.request import RequestStatus
+
+    waited: list[str] = []
+    finish_step = HiSparseScheduling.finish_step
+
+    def checked_finish_step(self, scheduler, scheduler_output):
+        for request_id in self._pending_hits:
+            request = scheduler.requests.get(request_id)
+            loading = request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if request_id not in scheduler_output.num_scheduled_tokens and not loading:
+                waited.append(request_id)
+        finish_step(self, scheduler, scheduler_output)
+        self.residency.check()
+        null_block = scheduler.kv_cache_manager.block_pool.null_block.block_id
+        for req in self.residency.requests.values():
+            for i, page in enumerate(req.pages):
+                assert page.block_ids is None or null_block not in page.block_ids, (req.request_id, i)
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(360 + 40 * s)] for s in range(6)]
+    answer = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setattr(HiSparseScheduling, "finish_step", checked_finish_step)
+    with offloading_connector("TieringOffloadingSpec", label="test-hisparse-waiting-hit") as kv_transfer:
+        with running_llm(
+            model, kv_transfer_config=kv_transfer, attention_config=hisparse(), **PRESSURE
+        ) as llm:
+            for _ in range(3):
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], answer, use_tqdm=False)
+                assert [len(o.outputs[0].token_ids) for o in outs] == [24] * len(prompts)
+                prompts = [
+                    p + list(o.outputs[0].token_ids) + [rng.randrange(3, 512) for _ in range(60)]
+                    for p, o in zip(prompts, outs, strict=True)
+                ]
+            stats = llm.llm_engine.engine_core.engine_core.scheduler.hisparse.stats()
+    assert waited, "a connector hit waited for its request's turn after its load"
+    assert stats["request_steps_none"] > 0 and stats["rows_loaded"] > 0
+
+
 def repeated_prompt_run(model, **overrides):
     """A page-aligned prompt sent again after the device prefix cache was dropped: the
     connector hits all of it, and the engine recomputes the last prompt token."""

@@ -39,7 +39,6 @@ from vllm.logger import init_logger
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.residency import PageCopy, PageState, RequestState, ResidencyManager
-from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -195,6 +194,7 @@ class HiSparseScheduling:
             )
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
         self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
+        self.null_block_id = self.kv_cache_manager.block_pool.null_block.block_id
         num_host_pages = host_pool_pages(vllm_config)
         # Bytes one page (all sparse-MLA layers) and one layer's row move, on all workers.
         replicas = vllm_config.parallel_config.tensor_parallel_size
@@ -429,9 +429,11 @@ class HiSparseScheduling:
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
         for request_id in list(self._pending_hits):
-            request = scheduler.requests.get(request_id)
-            waits_for_load = request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            if request_id not in scheduler_output.num_scheduled_tokens and not waits_for_load:
+            if request_id in scheduler_output.num_scheduled_tokens:
+                continue  # registered below
+            # A hit the scheduler took holds its blocks until the request is scheduled: while
+            # a KV connector loads, and after the load until the request gets its turn.
+            if not self.blocks.managers[0].req_to_blocks.get(request_id):
                 self._return_pending_lease(request_id)  # the scheduler did not take the hit
         for request_id in scheduler_output.num_scheduled_tokens:
             self._sync_request(scheduler.requests[request_id])
@@ -510,6 +512,8 @@ class HiSparseScheduling:
             elif position in restored:
                 residency.append_restored_page(request_id, block_ids, restored.pop(position))
             else:
+                # A null placeholder always comes with its host page (pending or restored).
+                assert self.null_block_id not in block_ids, f"{request_id}: page {position} has no copy"
                 residency.append_pages(request_id, [block_ids])
         assert not host_pages, f"{request_id}: host pages {host_pages} beyond its block table"
         assert not restored, f"{request_id}: restored pages {restored} beyond its block table"
