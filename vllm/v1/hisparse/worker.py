@@ -10,9 +10,11 @@ Owns, per worker:
   sparse-MLA pages of a KV connector hit, into the blocks allocated for them)
   and its block-table point updates (a demoted page's entries become the null
   block) to the runner's request states and persistent batch;
-- the step's residency view for the sparse-MLA backend (`StepResidency`): per
-  request its HOST pages and hot-buffer rows, and per request and layer the hot
-  state the resolver keeps across steps;
+- the step's residency view for the sparse-MLA backends (`StepResidency`): per
+  request its HOST pages and hot-buffer rows, and per layer the hot state the
+  resolver keeps across steps for the requests with HOST pages;
+- `attend`: a layer's attention with those requests' tokens resolved, for the
+  backends wrapped by `vllm/v1/hisparse/sparse_mla.py`;
 - after the forward, the step's planned device->host page copies for all
   sparse-MLA layers, reported back as `ModelRunnerOutput.hisparse_copied`.
 
