@@ -20,13 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,12 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_models
+from serving import SERVER_ERRORS, VllmServer, metric, offloading_connector
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"
 DEMO_MODEL = tiny_models.TinyModelSpec(arch="glm5", num_hidden_layers=6, index_topk=32, init_std=0.2)
 SERVED_NAME = "tiny-glm5-hisparse-demo"
-STARTUP_TIMEOUT_S = 600
 
 
 @dataclass
@@ -56,109 +52,27 @@ class Observed:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def metric(metrics_text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` (with these label values) in a /metrics page."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        series, _, value = line.rpartition(" ")
-        if series != name and not series.startswith(name + "{"):
-            continue
-        if all(f'{key}="{val}"' in series for key, val in labels.items()):
-            total += float(value)
-    return total
+def demo_server(model: Path, args: argparse.Namespace, log_path: Path) -> VllmServer:
+    """`vllm serve` with the announcement's two flags and a KV pool far too small for the workload."""
+    engine_id = f"hisparse-demo-{uuid.uuid4().hex[:8]}"
+    kv_transfer = offloading_connector(engine_id, "TieringOffloadingSpec", 64 << 20)
+    hisparse = {"hisparse_config": {"host_pool_gib": args.host_pool_gib}}
+    serve_args = [
+        "--max-model-len", "2048",
+        "--max-num-batched-tokens", "128",
+        "--num-gpu-blocks-override", str(args.kv_blocks),
+        "--kv-cache-memory-bytes", str(256 << 20),
+        "--gpu-memory-utilization", "0.3",
+        "--enforce-eager",
+        "--seed", "0",
+        "--enable-prompt-tokens-details",
+        "--attention-config", json.dumps(hisparse),
+        "--kv-transfer-config", json.dumps(kv_transfer),
+    ]  # fmt: skip
+    return VllmServer(model, SERVED_NAME, serve_args, log_path, engine_id)
 
 
-class Server:
-    def __init__(self, model: Path, args: argparse.Namespace, log_path: Path) -> None:
-        self.port = free_port()
-        self.engine_id = f"hisparse-demo-{uuid.uuid4().hex[:8]}"
-        kv_transfer = {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "engine_id": self.engine_id,
-            "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 << 20},
-        }
-        hisparse = {"hisparse_config": {"host_pool_gib": args.host_pool_gib}}
-        self.cmd = [
-            str(Path(sys.executable).parent / "vllm"),
-            "serve",
-            str(model),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--served-model-name", SERVED_NAME,
-            "--max-model-len", "2048",
-            "--max-num-batched-tokens", "128",
-            "--num-gpu-blocks-override", str(args.kv_blocks),
-            "--kv-cache-memory-bytes", str(256 << 20),
-            "--gpu-memory-utilization", "0.3",
-            "--enforce-eager",
-            "--seed", "0",
-            "--enable-prompt-tokens-details",
-            "--attention-config", json.dumps(hisparse),
-            "--kv-transfer-config", json.dumps(kv_transfer),
-        ]  # fmt: skip
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        log = self.log_path.open("wb")
-        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode} during start-up")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vllm serve did not answer /health within {STARTUP_TIMEOUT_S} s")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for leftover in Path("/dev/shm").glob(f"vllm_offload_{self.engine_id}*"):
-            leftover.unlink(missing_ok=True)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def complete(self, prompt: list[int], max_tokens: int) -> dict:
-        body = {
-            "model": SERVED_NAME,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        request = urllib.request.Request(
-            self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=600) as response:
-            return json.loads(response.read())
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:
-            return response.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_session(server: Server, session: int, args: argparse.Namespace, observed: Observed) -> None:
+def run_session(server: VllmServer, session: int, args: argparse.Namespace, observed: Observed) -> None:
     """One agent: a long first prompt, then turns that append the answer and a tool result."""
     rng = random.Random(1000 + session)
     vocab = DEMO_MODEL.vocab_size
@@ -166,7 +80,7 @@ def run_session(server: Server, session: int, args: argparse.Namespace, observed
     for turn in range(args.turns):
         try:
             body = server.complete(prompt, args.output_tokens)
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        except SERVER_ERRORS as e:
             with observed.lock:
                 observed.failed.append(f"session {session + 1} turn {turn + 1}: {e}")
             return
@@ -195,11 +109,11 @@ GAUGES = {
 }
 
 
-def sample_gauges(server: Server, observed: Observed, stop: threading.Event) -> None:
+def sample_gauges(server: VllmServer, observed: Observed, stop: threading.Event) -> None:
     while not stop.wait(0.5):
         try:
             text = server.metrics()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except SERVER_ERRORS:
             continue
         with observed.lock:
             for key, (name, labels) in GAUGES.items():
@@ -269,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  workload     {args.sessions} concurrent sessions x {args.turns} turns", flush=True)
     log_path = CACHE / "demo" / "serve.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    server = Server(model, args, log_path)
+    server = demo_server(model, args, log_path)
     observed = Observed()
     stop = threading.Event()
     start = time.monotonic()
@@ -288,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1)  # the last step's stats reach the metrics
         metrics_text = server.metrics()
         lines = report(metrics_text, observed, time.monotonic() - run_start)
-    except (RuntimeError, urllib.error.URLError, ConnectionError, TimeoutError) as e:
+    except (RuntimeError, *SERVER_ERRORS) as e:
         stop.set()
         print(f"demo failed: {e}", file=sys.stderr)
         print(f"server log: {log_path}", file=sys.stderr)
