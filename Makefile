@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV_PY := .venv/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup test lint demo wheel image bench clean
 
@@ -32,9 +33,10 @@ image:
 demo: setup
 	$(VENV_PY) scripts/demo.py $(DEMO_ARGS)
 
+## bench: setup, then the agentic benchmark (quick size): preemption, OffloadingConnector, Hybrid
+## HiSparse and HiSparse "always" side by side against vllm serve; JSON + PNG in benchmarks/results/
 bench: setup
-	@echo "make bench arrives with the benchmark work (see README.md); nothing to run yet." >&2
-	@exit 2
+	$(VENV_PY) benchmarks/agentic.py $(BENCH_ARGS)
 
 clean:
 	rm -rf dist build .pytest_cache

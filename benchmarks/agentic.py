@@ -1,0 +1,317 @@
+"""`make bench`: the announcement's agentic workload, four residency configurations side by side.
+
+Replays OpenHands-style sessions (13 turns; a first turn of 74,160 tokens; later
+turns 753 tokens in, 220 out) scaled by --scale, against a real `vllm serve` of
+a small GLM-5-architecture checkpoint over HTTP, at a sweep of concurrent
+sessions. Every turn resends the conversation so far (the previous prompt, the
+model's answer, a new tool result) as token ids, so a turn's history is a
+prefix the server may still hold. For each concurrency, each configuration gets
+a fresh server with the same KV cache bytes:
+
+- `preemption`: neither flag; under pressure vLLM preempts and recomputes;
+- `offload`: the OffloadingConnector alone (the announcement's baseline);
+- `hybrid`: both flags, Hybrid HiSparse;
+- `always`: both flags, HiSparse with mode "always" (the ablation).
+
+Per run: mean running requests (the server's gauge, sampled), output tokens/s,
+per-user tokens/s (1 / time per output token), TTFT p50/p99, preemptions,
+recomputed prompt tokens (prompt tokens the engine computed beyond each turn's
+new tokens) and bytes moved between host and device. The claims are ratios to
+`offload` at the same concurrency, measured in the same invocation; absolute
+times on a shared CPU are not claims. Writes results.json and pareto.png
+(per-user tokens/s against output tokens/s) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import tiny_models  # noqa: E402
+from serving import SERVER_ERRORS, Completion, VllmServer, metric, offloading_connector  # noqa: E402
+
+CACHE = REPO / ".cache"
+RESULTS = REPO / "benchmarks" / "results"
+MODEL = tiny_models.TinyModelSpec(arch="glm5", num_hidden_layers=6, index_topk=32, init_std=0.2)
+SERVED_NAME = "tiny-glm5-bench"
+CONFIGS = ("preemption", "offload", "hybrid", "always")
+BASELINE = "offload"
+# The announcement's session shape.
+FULL_SHAPE = {"turns": 13, "first_turn_tokens": 74_160, "turn_tokens": 753, "output_tokens": 220}
+MIN_TURN_TOKENS = 16  # a scaled turn keeps enough tokens to time its decode
+QUICK = {"scale": 1 / 40, "turns": 4, "concurrency": "2,4", "kv_cache_bytes": 24 << 20}
+
+
+@dataclass
+class Shape:
+    turns: int
+    first_turn_tokens: int
+    turn_tokens: int
+    output_tokens: int
+
+    @classmethod
+    def scaled(cls, scale: float, turns: int) -> Shape:
+        def tokens(n: int) -> int:
+            return max(MIN_TURN_TOKENS, round(n * scale))
+
+        return cls(
+            turns=turns,
+            first_turn_tokens=tokens(FULL_SHAPE["first_turn_tokens"]),
+            turn_tokens=tokens(FULL_SHAPE["turn_tokens"]),
+            output_tokens=tokens(FULL_SHAPE["output_tokens"]),
+        )
+
+    def max_session_tokens(self) -> int:
+        return self.first_turn_tokens + (self.turns - 1) * self.turn_tokens + self.turns * self.output_tokens
+
+
+@dataclass
+class Run:
+    """One configuration at one concurrency."""
+
+    config: str
+    concurrency: int
+    requests: int = 0
+    failed: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    output_tokens_per_s: float = 0.0
+    per_user_tokens_per_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    mean_running: float = 0.0
+    preemptions: float = 0.0
+    new_prompt_tokens: int = 0
+    computed_prompt_tokens: float = 0.0
+    recomputed_prompt_tokens: float = 0.0
+    bytes_to_host: float = 0.0
+    bytes_from_host: float = 0.0
+    pages_demoted: float = 0.0
+    ratios_to_baseline: dict[str, float] = field(default_factory=dict)
+
+
+def serve_args(config: str, args: argparse.Namespace, engine_id: str) -> list[str]:
+    common = [
+        "--max-model-len", str(args.max_model_len),
+        "--max-num-batched-tokens", "128",
+        "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
+        "--gpu-memory-utilization", "0.3",
+        "--enforce-eager",
+        "--seed", "0",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    kv_transfer = offloading_connector(engine_id, args.spec, args.offload_bytes)
+    connector = ["--kv-transfer-config", json.dumps(kv_transfer)]
+    if config == "preemption":
+        return common
+    if config == "offload":
+        return common + connector
+    hisparse = {"hisparse_config": {"host_pool_gib": args.host_pool_gib, "mode": config}}
+    return common + connector + ["--attention-config", json.dumps(hisparse)]
+
+
+def run_session(server: VllmServer, session: int, shape: Shape, results: list, failed: list) -> None:
+    rng = random.Random(7000 + session)
+    vocab = MODEL.vocab_size
+    prompt = [rng.randrange(3, vocab) for _ in range(shape.first_turn_tokens)]
+    history = 0  # tokens an earlier turn already computed (prompt and answer)
+    for turn in range(shape.turns):
+        try:
+            done: Completion = server.stream(prompt, shape.output_tokens)
+        except (*SERVER_ERRORS, RuntimeError) as e:
+            failed.append(f"session {session + 1} turn {turn + 1}: {e}")
+            return
+        results.append((done, len(prompt) - history))
+        history = len(prompt) + len(done.token_ids)
+        prompt = prompt + done.token_ids + [rng.randrange(3, vocab) for _ in range(shape.turn_tokens)]
+
+
+def sample_running(server: VllmServer, samples: list[float], stop: threading.Event) -> None:
+    while not stop.wait(0.25):
+        try:
+            samples.append(metric(server.metrics(), "vllm:num_requests_running"))
+        except SERVER_ERRORS:
+            continue
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(config: str, concurrency: int, shape: Shape, model: Path, args: argparse.Namespace) -> Run:
+    engine_id = f"hisparse-bench-{uuid.uuid4().hex[:8]}"
+    log_path = args.out / "logs" / f"{config}-c{concurrency}.log"
+    server = VllmServer(model, SERVED_NAME, serve_args(config, args, engine_id), log_path, engine_id)
+    run = Run(config, concurrency)
+    results: list[tuple[Completion, int]] = []
+    samples: list[float] = []
+    stop = threading.Event()
+    try:
+        server.start()
+        sampler = threading.Thread(target=sample_running, args=(server, samples, stop), daemon=True)
+        sampler.start()
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            for future in [
+                pool.submit(run_session, server, s, shape, results, run.failed) for s in range(concurrency)
+            ]:
+                future.result()
+        run.wall_s = time.monotonic() - start
+        stop.set()
+        sampler.join()
+        time.sleep(1)  # the last step's stats reach the metrics
+        text = server.metrics()
+    finally:
+        stop.set()
+        server.stop()
+    done = [c for c, _ in results]
+    run.requests = len(done)
+    if not done:
+        return run
+    run.output_tokens = sum(len(c.token_ids) for c in done)
+    run.output_tokens_per_s = run.output_tokens / run.wall_s
+    decoded = [(len(c.token_ids) - 1) / c.decode_s for c in done if len(c.token_ids) > 1 and c.decode_s > 0]
+    run.per_user_tokens_per_s = statistics.fmean(decoded) if decoded else 0.0
+    ttfts = [c.ttft_s for c in done]
+    run.ttft_p50_s, run.ttft_p99_s = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
+    run.mean_running = statistics.fmean(samples) if samples else 0.0
+    run.preemptions = metric(text, "vllm:num_preemptions_total")
+    run.new_prompt_tokens = sum(new for _, new in results)
+    # Every step's tokens, less the decode steps (each output token after the first is one).
+    decode_steps = sum(max(len(c.token_ids) - 1, 0) for c in done)
+    run.computed_prompt_tokens = metric(text, "vllm:iteration_tokens_total_sum") - decode_steps
+    run.recomputed_prompt_tokens = max(run.computed_prompt_tokens - run.new_prompt_tokens, 0.0)
+    run.bytes_to_host = metric(text, "vllm:hisparse_bytes_to_host_total") + metric(
+        text, "vllm:kv_offload_store_bytes_total"
+    )
+    run.bytes_from_host = metric(text, "vllm:hisparse_bytes_from_host_total") + metric(
+        text, "vllm:kv_offload_load_bytes_total"
+    )
+    run.pages_demoted = metric(text, "vllm:hisparse_pages_demoted_total")
+    return run
+
+
+RATIO_FIELDS = ("output_tokens_per_s", "per_user_tokens_per_s", "mean_running", "ttft_p50_s", "ttft_p99_s")
+
+
+def add_ratios(runs: list[Run]) -> None:
+    """Each run's figures divided by the baseline's at the same concurrency (same invocation)."""
+    baseline = {r.concurrency: r for r in runs if r.config == BASELINE}
+    for run in runs:
+        base = baseline.get(run.concurrency)
+        if base is None:
+            continue
+        run.ratios_to_baseline = {
+            name: getattr(run, name) / getattr(base, name) for name in RATIO_FIELDS if getattr(base, name) > 0
+        }
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(6.4, 4.8))
+    for config in CONFIGS:
+        mine = [r for r in runs if r.config == config]
+        points = sorted((r.concurrency, r.per_user_tokens_per_s, r.output_tokens_per_s) for r in mine)
+        if not points:
+            continue
+        axes.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=config)
+        for concurrency, x, y in points:
+            axes.annotate(str(concurrency), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    axes.set_xlabel("per-user tokens/s (1 / TPOT)")
+    axes.set_ylabel("output tokens/s")
+    axes.set_title("Interactivity vs throughput (labels: concurrent sessions)")
+    axes.legend()
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="agentic.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=QUICK["scale"],
+                        help="token counts of the announcement's sessions times this (default 1/40; "
+                             f"each turn keeps at least {MIN_TURN_TOKENS} tokens)")
+    parser.add_argument("--turns", type=int, default=QUICK["turns"],
+                        help="turns per session (default 4; the announcement's 13)")
+    parser.add_argument("--concurrency", default=QUICK["concurrency"],
+                        help="comma-separated concurrent sessions to sweep (default 2,4)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    parser.add_argument("--kv-cache-bytes", type=int, default=QUICK["kv_cache_bytes"],
+                        help="device KV cache bytes, the same for every configuration (default 24 MiB)")
+    parser.add_argument("--host-pool-gib", type=float, default=0.1, help="HiSparse host pool (GiB)")
+    parser.add_argument("--offload-bytes", type=int, default=64 << 20, help="OffloadingConnector host bytes")
+    parser.add_argument("--spec", default="TieringOffloadingSpec", help="OffloadingConnector spec_name")
+    parser.add_argument("--out", type=Path, default=RESULTS / time.strftime("%Y%m%d-%H%M%S"),
+                        help="output folder (default benchmarks/results/<date-time>)")
+    args = parser.parse_args(argv)
+    try:
+        args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or not args.configs:
+        parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if min(args.concurrency) < 1 or args.turns < 1 or args.scale <= 0 or args.host_pool_gib <= 0:
+        parser.error("--concurrency and --turns must be >= 1, --scale and --host-pool-gib > 0")
+    shape = Shape.scaled(args.scale, args.turns)
+    # Room for one whole session, rounded up to whole 64-token pages.
+    args.max_model_len = -(-shape.max_session_tokens() // 64) * 64
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = Shape.scaled(args.scale, args.turns)
+    model = tiny_models.tiny_model_dir(MODEL, CACHE / "tiny-models")
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"Agentic benchmark: {shape.turns} turns, first turn {shape.first_turn_tokens} tokens, later turns "
+          f"{shape.turn_tokens} in / {shape.output_tokens} out (scale {args.scale:g}); KV cache "
+          f"{args.kv_cache_bytes / (1 << 20):.1f} MiB; configs {', '.join(args.configs)}; concurrency "
+          f"{', '.join(map(str, args.concurrency))}", flush=True)
+    runs: list[Run] = []
+    for concurrency in args.concurrency:
+        for config in args.configs:
+            print(f"  {config:<10} x{concurrency} ...", end=" ", flush=True)
+            try:
+                run = measure(config, concurrency, shape, model, args)
+            except (RuntimeError, *SERVER_ERRORS) as e:
+                print(f"failed: {e} (log: {args.out / 'logs'})", file=sys.stderr)
+                return 1
+            runs.append(run)
+            print(f"{run.output_tokens_per_s:.1f} tok/s, {run.per_user_tokens_per_s:.1f} tok/s/user, "
+                  f"running {run.mean_running:.2f}, preemptions {run.preemptions:.0f}, recomputed "
+                  f"{run.recomputed_prompt_tokens:.0f}", flush=True)
+    add_ratios(runs)
+    result = {"shape": asdict(shape), "scale": args.scale, "kv_cache_bytes": args.kv_cache_bytes,
+              "baseline": BASELINE, "runs": [asdict(r) for r in runs]}
+    (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    plot(runs, args.out / "pareto.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'pareto.png'}")
+    failed = [f for r in runs for f in r.failed]
+    if failed:
+        print("failed requests:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
