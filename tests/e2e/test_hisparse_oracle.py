@@ -288,6 +288,47 @@ def test_a_connector_hit_keeps_its_host_pages_until_its_request_is_scheduled(mod
     assert stats["request_steps_none"] > 0 and stats["rows_loaded"] > 0
 
 
+def test_under_pressure_a_session_turn_takes_its_history_from_the_host_pool(model, monkeypatch):
+    """Four agent sessions, each sending its next turn as soon as the last one ends, in a
+    KV pool far smaller than their histories, with both announcement flags. A turn whose
+    history the host pool holds starts NONE from it even when the pool is short of the
+    hot lease that costs: other requests' BOTH pages are demoted for the lease, as for
+    any allocation, instead of the turn recomputing its whole history."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    rngs = [random.Random(70 + s) for s in range(4)]
+    prompts = [[rng.randrange(3, 512) for _ in range(900)] for rng in rngs]
+    answer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    histories: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    with offloading_connector("TieringOffloadingSpec", label="test-hisparse-sessions") as kv_transfer:
+        with running_llm(
+            model, kv_transfer_config=kv_transfer, attention_config=hisparse(),
+            kv_cache_memory_bytes=12 << 20, max_num_batched_tokens=128,
+        ) as llm:
+            engine = llm.llm_engine
+            for s in range(4):
+                engine.add_request(f"s{s}-t0", {"prompt_token_ids": prompts[s]}, answer)
+                histories[f"s{s}-t0"] = 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    cached[out.request_id] = out.num_cached_tokens
+                    s, turn = (int(part[1:]) for part in out.request_id.split("-"))
+                    if turn < 2:
+                        history = len(prompts[s]) + len(out.outputs[0].token_ids)
+                        prompts[s] = prompts[s] + list(out.outputs[0].token_ids) + [
+                            rngs[s].randrange(3, 512) for _ in range(20)
+                        ]
+                        histories[f"s{s}-t{turn + 1}"] = history
+                        engine.add_request(f"s{s}-t{turn + 1}", {"prompt_token_ids": prompts[s]}, answer)
+            stats = engine.engine_core.engine_core.scheduler.hisparse.stats()
+    assert stats["pages_demoted"] > 0 and stats["request_steps_none"] > 0
+    for request_id, history in histories.items():
+        # Every complete page of the history but the last one, which may still be uncopied.
+        assert cached[request_id] >= history // 64 * 64 - 64, (request_id, cached[request_id], history)
+
+
 def repeated_prompt_run(model, **overrides):
     """A page-aligned prompt sent again after the device prefix cache was dropped: the
     connector hits all of it, and the engine recomputes the last prompt token."""

@@ -399,10 +399,19 @@ class HiSparseScheduling:
         """A hot lease for a request about to take `hit_blocks` from the prefix cache.
 
         Taking the lease may evict cached free blocks: the hit's are pinned meanwhile.
+        When the pool is short of a lease, other requests' BOTH pages are demoted for
+        it, as for any allocation under pressure.
         """
         block_pool = self.kv_cache_manager.block_pool
         block_pool.touch(hit_blocks)
         lease = self.residency.lease()
+        if not lease:
+            # Under pressure, demote other requests' BOTH pages for the lease: without it the
+            # request recomputes its whole prefix, which needs far more blocks than the lease.
+            short = self.residency.hot_lease_blocks - self.blocks.num_free_blocks()
+            protected = {b.block_id for b in hit_blocks}
+            if self.residency.relieve_pressure(short, protected_blocks=protected) > 0:
+                lease = self.residency.lease()
         block_pool.free_blocks(hit_blocks)
         return lease
 
