@@ -263,14 +263,23 @@ def no_active_worker(monkeypatch):
     monkeypatch.setattr(hisparse_worker, "_active", None)
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
-def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, monkeypatch):
+def backend(name: str, monkeypatch):
+    """The named backend's impl on a seeded case, its kernel-call counter and metadata extras."""
     build, kind = BACKENDS[name]
     case = Case(kind)
     calls = KernelCalls()
     impl, extra = build(monkeypatch, case, calls)
+    return case, calls, impl, extra
+
+
+LAYER_HANDLE = SimpleNamespace(layer_name=LAYER, _q_scale_float=1.0, _k_scale_float=1.0)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, monkeypatch):
+    case, calls, impl, extra = backend(name, monkeypatch)
     assert impl_resolves(impl)
-    layer = SimpleNamespace(layer_name=LAYER, _q_scale_float=1.0, _k_scale_float=1.0)
+    layer = LAYER_HANDLE
 
     expected, _ = impl.forward_mqa(
         case.q, case.seen_by_backend(case.cache), case.metadata(RESIDENT_TABLE, **extra), layer
@@ -297,11 +306,8 @@ def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, mo
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_cuda_backend_without_host_pages_runs_untouched(name, monkeypatch):
-    build, kind = BACKENDS[name]
-    case = Case(kind)
-    calls = KernelCalls()
-    impl, extra = build(monkeypatch, case, calls)
-    layer = SimpleNamespace(layer_name=LAYER, _q_scale_float=1.0, _k_scale_float=1.0)
+    case, calls, impl, extra = backend(name, monkeypatch)
+    layer = LAYER_HANDLE
     _, worker = case.demote()
     worker.begin_step(plan(()))
 
