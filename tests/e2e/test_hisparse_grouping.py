@@ -13,7 +13,8 @@ import pytest
 from engine import running_llm
 
 from vllm import SamplingParams
-from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT, INDEXER_LAYER_SUFFIX
+from vllm.config.hisparse import HISPARSE_KV_CACHE_LAYOUT
+from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
 
 pytestmark = pytest.mark.slow
 

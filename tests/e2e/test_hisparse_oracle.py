@@ -229,10 +229,10 @@ def test_where_plans_do_not_run_hisparse_stays_off_and_the_connector_keeps_every
     KV cache grouping and layout, no residency, and a connector that stores and loads
     every group, so the run is the connector-only run byte for byte. Played on CPU by
     declaring that workers do not execute plans."""
-    from vllm.v1.hisparse import scheduling
+    from vllm.config import hisparse as hisparse_config
 
     reference = offloading_turns(model, "CPUOffloadingSpec")
-    monkeypatch.setattr(scheduling, "workers_execute_plans", False)
+    monkeypatch.setattr(hisparse_config, "workers_execute_plans", False)
     tokens, tokens2, cached2, stats, _, offload = offloading_turns(
         model, "CPUOffloadingSpec", attention_config=hisparse()
     )

@@ -16,7 +16,8 @@ import pytest
 import scheduler_harness as sh
 from engine import ENGINE_DEFAULTS, running_llm
 
-from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT, INDEXER_LAYER_SUFFIX
+from vllm.config.hisparse import HISPARSE_KV_CACHE_LAYOUT
+from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 BLOCK = 64  # DSA models on CPU: the sparse-MLA page size

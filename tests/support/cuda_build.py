@@ -35,9 +35,9 @@ def hisparse_ops(build_dir: Path):
     every csrc/ source built just in time (needs CUDA torch and nvcc)."""
     import torch
 
-    from vllm.v1.hisparse.resolver import cuda_kernel_available
+    from vllm.v1.hisparse.ops import cuda_kernels_available
 
-    if not cuda_kernel_available():
+    if not cuda_kernels_available():
         from torch.utils.cpp_extension import load
 
         load(

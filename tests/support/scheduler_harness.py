@@ -285,8 +285,8 @@ class SchedulerHarness:
         sampled_token: int = DEFAULT_SAMPLED_TOKEN,
         runs_hisparse_plans: bool = True,
     ) -> None:
+        from vllm.config import hisparse as hisparse_config
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-        from vllm.v1.hisparse import scheduling
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.vllm_config = vllm_config
@@ -294,7 +294,7 @@ class SchedulerHarness:
         # The harness plays the worker side of a build whose workers execute residency
         # plans (start-up sizing and admission follow); without runs_hisparse_plans it
         # is a worker that should run them but reports nothing.
-        scheduling.workers_execute_plans = True
+        hisparse_config.workers_execute_plans = True
         self.kv_cache_config = build_kv_cache_config(
             vllm_config, self.specs, num_blocks=num_blocks, memory_bytes=memory_bytes
         )
@@ -311,7 +311,7 @@ class SchedulerHarness:
             include_finished_set=False,
             log_stats=True,
         )
-        scheduling.workers_execute_plans = None
+        hisparse_config.workers_execute_plans = None
         self.block_hasher = make_block_hasher(vllm_config, self.hash_block_size)
         self.sampled_token = sampled_token
         self.runs_hisparse_plans = runs_hisparse_plans

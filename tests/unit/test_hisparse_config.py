@@ -226,7 +226,7 @@ class _CudaPlatform:
 @pytest.mark.parametrize(("major", "executable"), [(9, True), (10, True), (12, False)])
 def test_plans_run_on_the_gpus_whose_sparse_mla_backends_resolve(monkeypatch, major, executable):
     import vllm.platforms
-    from vllm.v1.hisparse.scheduling import plans_executable
+    from vllm.config.hisparse import plans_executable
 
     monkeypatch.setattr(vllm.platforms, "_current_platform", _CudaPlatform(major))
     assert plans_executable() is executable

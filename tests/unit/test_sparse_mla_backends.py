@@ -23,9 +23,11 @@ import torch
 
 import vllm  # noqa: F401  (platform set-up before the backends import)
 from vllm.v1.attention.ops import dsa_torch
+from vllm.v1.hisparse import resolution as hisparse_resolution
 from vllm.v1.hisparse import worker as hisparse_worker
-from vllm.v1.hisparse.scheduling import HISPARSE_PLAN_VERSION, HiSparseStepPlan, RequestResidencyMap
-from vllm.v1.hisparse.sparse_mla import impl_resolves, kernel_indices
+from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION, HiSparseStepPlan, RequestResidencyMap
+from vllm.v1.hisparse.resolution import impl_resolves
+from vllm.v1.hisparse.sparse_mla import kernel_indices
 
 BLOCK = 64
 LATENT = 512
@@ -260,7 +262,7 @@ BACKENDS = {
 
 @pytest.fixture(autouse=True)
 def no_active_worker(monkeypatch):
-    monkeypatch.setattr(hisparse_worker, "_active", None)
+    monkeypatch.setattr(hisparse_resolution, "_active", None)
 
 
 def backend(name: str, monkeypatch):
@@ -301,7 +303,7 @@ def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, mo
     assert calls.count == 1 + REQ_ID_PER_TOKEN.count(1)
     assert report.hisparse_rows_loaded > 0 and report.hisparse_rows_hit > 0
     hot_rows = set(range(HOT_BLOCK * 2 * BLOCK, HOT_BLOCK * 2 * BLOCK + BLOCK))
-    assert worker._hot[LAYER].state.rows[0].tolist() == sorted(hot_rows)
+    assert worker.resolution._hot[LAYER].state.rows[0].tolist() == sorted(hot_rows)
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
@@ -315,7 +317,7 @@ def test_cuda_backend_without_host_pages_runs_untouched(name, monkeypatch):
     report = worker.finish_step(SimpleNamespace())
 
     assert calls.count == 1
-    assert report.hisparse_rows_loaded == 0 and not worker._hot
+    assert report.hisparse_rows_loaded == 0 and not worker.resolution._hot
 
 
 def test_kernel_indices_address_blocks_by_page_not_by_row():

@@ -4,9 +4,14 @@
 Owns the operator-facing surface of Hybrid HiSparse: the typed config parsed
 from `--attention-config '{"hisparse_config": {...}}'` (and from
 `LLM(attention_config=...)`), its validation, its contribution to the config
-hash, and the start-up checks that need the model (`verify_hisparse_config`).
-It must never allocate memory or touch the scheduler or workers: those read the
-validated config.
+hash, the start-up checks that need the model (`verify_hisparse_config`), and
+the facts every other HiSparse module reads: whether HiSparse is active in this
+process (`hisparse_active`), the page geometry, and the names of the layouts
+and backends it needs.
+
+It is the leaf of HiSparse's dependencies: it imports no `vllm.v1.hisparse`
+module. It must never allocate memory or touch the scheduler or workers: those
+read the validated config.
 """
 
 from __future__ import annotations
@@ -32,8 +37,20 @@ SPARSE_MLA_PAGE_TOKENS = 64
 # Bytes per token of one layer in the fp8_ds_mla cache layout (FlashMLA): 512 fp8
 # latent values, 4 float32 scales and 64 bf16 rope values.
 FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
+# Complete pages at the end of a request that stay on the device besides the
+# page it is writing: decode attention keeps picking recent tokens, so demoting
+# them would only turn into row misses on the next steps.
+RESIDENT_TAIL_PAGES = 1
 # The default hot buffer holds this many times the model's index top-K rows.
 DEFAULT_HOT_BUFFER_TOPK_MULTIPLE = 2
+# Block-outermost KV cache layout: KV cache groups with different page sizes
+# share each block's bytes (see vllm/v1/hisparse/kv_grouping.py).
+HISPARSE_KV_CACHE_LAYOUT = "BLHNC"
+# The attention backends whose sparse-MLA attention resolves through HiSparse, by
+# registry name (see vllm/v1/hisparse/sparse_mla.py); the first is the CPU test bed's.
+RESOLVING_BACKENDS = ("CPU_SPARSE_MLA", "FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE", "FLASH_ATTN_MLA_SPARSE")
+# CUDA compute capability majors whose sparse-MLA backends resolve (Hopper, Blackwell DC).
+RESOLVING_CUDA_MAJORS = (9, 10)
 # Speculative methods HiSparse serves. The target model verifies any method's drafts
 # like a short prefill, which the resolver handles token by token. Model-free
 # drafters read no KV cache; an MTP drafter's layers stay resident (they join the
@@ -120,6 +137,39 @@ class HiSparseConfig:
         return self.compute_hash()
 
 
+# Whether the workers execute residency plans, when set (a test harness that
+# plays the worker sets it); None decides by platform, see plans_executable().
+workers_execute_plans: bool | None = None
+
+
+def plans_executable() -> bool:
+    """Whether this build's workers execute residency plans on this platform.
+
+    The CPU sparse-MLA backend and the CUDA sparse-MLA backends of Hopper and
+    Blackwell data-centre GPUs resolve through HiSparse (see
+    `vllm/v1/hisparse/sparse_mla.py`). Elsewhere HiSparse stays off after
+    validating its config: upstream's KV cache grouping, layout, start-up sizing
+    and admission, no scheduler or worker state, and a KV connector that handles
+    every group.
+    """
+    if workers_execute_plans is not None:
+        return workers_execute_plans
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return True
+    if not current_platform.is_cuda():
+        return False
+    capability = current_platform.get_device_capability()
+    return capability is not None and capability.major in RESOLVING_CUDA_MAJORS
+
+
+def hisparse_active(vllm_config: VllmConfig) -> bool:
+    """Whether Hybrid HiSparse runs in this engine: `hisparse_config` is set and the
+    workers execute residency plans on this platform."""
+    return vllm_config.attention_config.hisparse_config is not None and plans_executable()
+
+
 def sparse_mla_index_topk(vllm_config: VllmConfig) -> int | None:
     """The model's index top-K if it is a sparse-MLA (DSA) model, else None."""
     model_config = vllm_config.model_config
@@ -194,13 +244,9 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             "checkpoint's own next-token layers), or remove --speculative-config or "
             "hisparse_config"
         )
-    from vllm.v1.hisparse.scheduling import plans_executable
-
     if plans_executable():
         # Groups with different page sizes overlay each block's bytes only in a
         # block-outermost layout (see vllm/v1/hisparse/kv_grouping.py).
-        from vllm.v1.hisparse.kv_grouping import HISPARSE_KV_CACHE_LAYOUT
-
         vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
         from vllm.platforms import current_platform
 
@@ -244,7 +290,6 @@ def route_sparse_mla_through_the_resolver(vllm_config: VllmConfig) -> None:
     """
     from vllm import envs
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.hisparse.sparse_mla import RESOLVING_BACKENDS
 
     if envs.VLLM_USE_V2_MODEL_RUNNER:
         raise ValueError(

@@ -37,6 +37,12 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from vllm.config.hisparse import (
+    RESIDENT_TAIL_PAGES,
+    SPARSE_MLA_PAGE_TOKENS,
+    hisparse_active,
+    host_pool_pages,
+)
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
@@ -51,8 +57,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 INDEXER_LAYER_SUFFIX = ".indexer.k_cache"
-# Block-outermost: groups with different page sizes share each block's bytes.
-HISPARSE_KV_CACHE_LAYOUT = "BLHNC"
 # The decoder layer index in a layer name ("model.layers.78.self_attn.attn").
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -110,11 +114,7 @@ def hisparse_kv_cache_groups(
 ) -> list[KVCacheGroupSpec] | None:
     """HiSparse's groups for a DSA model, or None to let upstream group as usual
     (HiSparse off, or its residency plans cannot run on this platform)."""
-    from vllm.v1.hisparse.scheduling import plans_executable
-
-    if vllm_config.attention_config.hisparse_config is None or not kv_cache_spec:
-        return None
-    if not plans_executable():
+    if not hisparse_active(vllm_config) or not kv_cache_spec:
         return None
     indexer = [name for name in kv_cache_spec if name.endswith(INDEXER_LAYER_SUFFIX)]
     mla = [name for name in kv_cache_spec if not name.endswith(INDEXER_LAYER_SUFFIX)]
@@ -165,8 +165,6 @@ def hisparse_device_blocks_per_request(vllm_config: VllmConfig, groups: list[KVC
     the pages of the chunk being computed, the resident tail and the hot lease, as
     the residency manager leaves them; the rest of the context lives in the host pool.
     """
-    from vllm.v1.hisparse.residency import RESIDENT_TAIL_PAGES
-
     hisparse = vllm_config.attention_config.hisparse_config
     assert hisparse is not None and hisparse.device_buffer_size is not None
     max_len = vllm_config.model_config.max_model_len
@@ -194,13 +192,9 @@ def hisparse_max_memory_usage(
 
     Also refuses, naming the fields, a host pool that cannot hold such a request.
     """
-    from vllm.v1.hisparse import scheduling
-
     hisparse = vllm_config.attention_config.hisparse_config
-    if hisparse is None or not groups or not scheduling.plans_executable():
+    if hisparse is None or not groups or not hisparse_active(vllm_config):
         return None
-    from vllm.config.hisparse import SPARSE_MLA_PAGE_TOKENS, host_pool_pages
-
     max_len = vllm_config.model_config.max_model_len
     host_pages = host_pool_pages(vllm_config)
     needed_pages = math.ceil(max_len / SPARSE_MLA_PAGE_TOKENS)

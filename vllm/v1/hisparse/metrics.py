@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.config.hisparse import hisparse_active
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -78,9 +80,7 @@ class HiSparseProm:
         gauge_cls: type,
         counter_cls: type,
     ) -> None:
-        from vllm.v1.hisparse.scheduling import plans_executable
-
-        self.enabled = vllm_config.attention_config.hisparse_config is not None and plans_executable()
+        self.enabled = hisparse_active(vllm_config)
         self._gauges: dict[str, dict[int, Any]] = {}
         self._labelled: dict[str, dict[str, dict[int, Any]]] = {}
         self._counters: dict[str, dict[int, Any]] = {}

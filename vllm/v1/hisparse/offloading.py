@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from vllm.config.hisparse import hisparse_active
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 
 if TYPE_CHECKING:
@@ -44,9 +45,7 @@ def hisparse_connector_view(
     Where the workers do not execute residency plans (see `plans_executable`), the
     sparse-MLA cache stays resident and the connector keeps handling every group.
     """
-    from vllm.v1.hisparse.scheduling import plans_executable
-
-    if vllm_config.attention_config.hisparse_config is None or not plans_executable():
+    if not hisparse_active(vllm_config):
         return None, kv_cache_config
     groups = kv_cache_config.kv_cache_groups
     managed = set(hisparse_managed_group_ids(groups))

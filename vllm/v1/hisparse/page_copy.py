@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm.v1.hisparse.resolver import cuda_kernel_available
+from vllm.v1.hisparse.ops import cuda_kernels_available
 
 
 def copy_pages(
@@ -42,7 +42,7 @@ def copy_pages(
     """
     _validate(kv_caches, host_pool, block_ids, host_pages)
     if use_kernel is None:
-        use_kernel = kv_caches[0].is_cuda and cuda_kernel_available()
+        use_kernel = kv_caches[0].is_cuda and cuda_kernels_available()
     if not host_pages.numel():
         return
     if use_kernel:

@@ -45,12 +45,9 @@ from collections.abc import Hashable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from vllm.config.hisparse import RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-
-# Complete pages at the end of a request that stay on the device besides the
-# page it is writing: decode attention keeps picking recent tokens, so demoting
-# them would only turn into row misses on the next steps.
-RESIDENT_TAIL_PAGES = 1
+from vllm.v1.hisparse.plan import PageCopy
 
 
 class PageState(enum.Enum):
@@ -135,16 +132,6 @@ class RequestResidency:
 
     def page_hash(self, index: int) -> Hashable | None:
         return self.block_hashes[index] if index < len(self.block_hashes) else None
-
-
-@dataclass(frozen=True)
-class PageCopy:
-    """One page, all sparse-MLA layers, device -> host after the forward."""
-
-    request_id: str
-    page_index: int
-    block_ids: tuple[int, ...]
-    host_page: int
 
 
 @dataclass

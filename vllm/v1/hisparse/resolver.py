@@ -30,11 +30,11 @@ it is given.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from vllm.v1.hisparse.ops import cuda_kernels_available
 
 
 class HotBufferTooSmall(RuntimeError):
@@ -64,18 +64,6 @@ class HotState:
             raise ValueError(f"hot state covers {self.rows.shape[0]} requests, the batch has {num_requests}")
 
 
-@functools.cache
-def cuda_kernel_available() -> bool:
-    """Load the compiled HiSparse extension once; False where it was not built."""
-    import vllm
-
-    libraries = sorted(Path(vllm.__file__).parent.glob("_hisparse_C*.so"))
-    if not libraries or not torch.cuda.is_available():
-        return False
-    torch.ops.load_library(str(libraries[0]))
-    return True
-
-
 def resolve_topk_slots(
     positions: torch.Tensor,
     req_ids: torch.Tensor,
@@ -103,7 +91,7 @@ def resolve_topk_slots(
     _validate(positions, req_ids, page_table, host_page_table, kv_rows, host_rows)
     hot.validate(page_table.shape[0])
     stride = block_size if block_stride_rows is None else block_stride_rows
-    if kv_rows.is_cuda and cuda_kernel_available():
+    if kv_rows.is_cuda and cuda_kernels_available():
         try:
             return torch.ops._hisparse_C.resolve_topk_slots(
                 positions.long().contiguous(),

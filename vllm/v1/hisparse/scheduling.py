@@ -3,9 +3,8 @@
 
 Owns the glue between the residency state machine (`residency.py`) and the
 scheduler process:
-- the view of the KV cache manager's block pool and block tables that residency
-  works through (`KVCacheBlockAccess`): hot leases are ordinary pool blocks, a
-  demoted page's blocks leave the request's table for the null block;
+- residency works on the KV cache manager through `KVCacheBlockAccess`
+  (`kv_cache_access.py`);
 - pressure relief before preemption, called by `KVCacheManager.allocate_slots`
   when the pool cannot satisfy an allocation (new tokens, a new request);
 - prefix hits from the host pool: a waiting request whose prefix pages live
@@ -30,18 +29,24 @@ queues.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.config.hisparse import host_pool_pages, sparse_mla_page_bytes
+from vllm.config.hisparse import hisparse_active, host_pool_pages, plans_executable, sparse_mla_page_bytes
 from vllm.logger import init_logger
 from vllm.v1.hisparse.host_pool import HostPagePool
+from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
-from vllm.v1.hisparse.residency import PageCopy, PageState, RequestState, ResidencyManager
+from vllm.v1.hisparse.plan import (
+    HISPARSE_PLAN_VERSION,
+    HiSparseStepPlan,
+    PageCopy,
+    PageRestore,
+    RequestResidencyMap,
+)
+from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -49,131 +54,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-
-# Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 2
-
-# Whether the workers execute residency plans, when set (a test harness that
-# plays the worker sets it); None decides by platform, see plans_executable().
-workers_execute_plans: bool | None = None
-
-
-# CUDA compute capability majors whose sparse-MLA backends resolve (Hopper, Blackwell DC).
-RESOLVING_CUDA_MAJORS = (9, 10)
-
-
-def plans_executable() -> bool:
-    """Whether this build's workers execute residency plans on this platform.
-
-    The CPU sparse-MLA backend and the CUDA sparse-MLA backends of Hopper and
-    Blackwell data-centre GPUs resolve through HiSparse (see
-    `vllm/v1/hisparse/sparse_mla.py`). Elsewhere HiSparse stays off after
-    validating its config: upstream's KV cache grouping, layout, start-up sizing
-    and admission, no scheduler or worker state, and a KV connector that handles
-    every group.
-    """
-    if workers_execute_plans is not None:
-        return workers_execute_plans
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return True
-    if not current_platform.is_cuda():
-        return False
-    capability = current_platform.get_device_capability()
-    return capability is not None and capability.major in RESOLVING_CUDA_MAJORS
-
-
-@dataclass(frozen=True)
-class BlockTableUpdate:
-    """Set one entry of a request's block table on the worker (tables are otherwise append-only)."""
-
-    request_id: str
-    group_id: int
-    position: int  # block index in the request's table for that group
-    block_id: int  # the null block for a demoted page
-
-
-@dataclass(frozen=True)
-class PageRestore:
-    """One page, all sparse-MLA layers, host -> device before the forward (a KV connector hit)."""
-
-    request_id: str
-    page_index: int
-    block_ids: tuple[int, ...]  # one per sparse-MLA group, in the plan's group order
-    host_page: int
-
-
-@dataclass(frozen=True)
-class RequestResidencyMap:
-    """What the resolver needs for one request that is not FULL."""
-
-    request_id: str
-    host_pages: tuple[tuple[int, int], ...]  # (page index, host page) of every HOST page
-    hot_block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, its hot-buffer blocks
-
-
-@dataclass(frozen=True)
-class HiSparseStepPlan:
-    """One step's residency work for the workers. Plain ints, strings and tuples."""
-
-    version: int
-    mla_group_ids: tuple[int, ...]
-    # Device -> host, all sparse-MLA layers of each page, after this step's forward.
-    copies: tuple[PageCopy, ...]
-    # Applied before this step's forward, in order.
-    block_table_updates: tuple[BlockTableUpdate, ...]
-    # Host -> device, before this step's forward.
-    restores: tuple[PageRestore, ...]
-    # Only requests with HOST pages; empty means every request is FULL (the fast path).
-    residency: tuple[RequestResidencyMap, ...]
-
-
-class KVCacheBlockAccess:
-    """The KV cache manager's block pool and block tables, as residency sees them."""
-
-    def __init__(self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int]) -> None:
-        self.block_pool = kv_cache_manager.block_pool
-        self.managers = [kv_cache_manager.coordinator.single_type_managers[g] for g in mla_group_ids]
-        self.mla_group_ids = tuple(mla_group_ids)
-        self.updates: list[BlockTableUpdate] = []
-
-    def _blocks(self, block_ids: Sequence[int]):
-        return [self.block_pool.blocks[b] for b in block_ids]
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
-
-    def take(self, num_blocks: int) -> list[int]:
-        return [b.block_id for b in self.block_pool.get_new_blocks(num_blocks)]
-
-    def give_back(self, block_ids: Sequence[int]) -> None:
-        self.block_pool.free_blocks(self._blocks(block_ids))
-
-    def hold(self, block_ids: Sequence[int]) -> None:
-        blocks = self._blocks(block_ids)
-        assert all(b.ref_cnt > 0 for b in blocks), "only a referenced block can be held"
-        self.block_pool.touch(blocks)
-
-    def num_exclusive(self, block_ids: Sequence[int]) -> int:
-        return sum(b.ref_cnt == 1 for b in self._blocks(block_ids))
-
-    def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
-        null_block = self.block_pool.null_block
-        dropped = []
-        for manager, group_id, block_id in zip(self.managers, self.mla_group_ids, block_ids, strict=True):
-            table = manager.req_to_blocks[request_id]
-            block = table[page_index]
-            assert block.block_id == block_id, (
-                f"{request_id} page {page_index}: table holds block {block.block_id}, "
-                f"residency {block_id}"
-            )
-            table[page_index] = null_block
-            dropped.append(block)
-            self.updates.append(BlockTableUpdate(request_id, group_id, page_index, null_block.block_id))
-        free_before = self.block_pool.get_num_free_blocks()
-        self.block_pool.free_blocks(dropped)
-        return self.block_pool.get_num_free_blocks() - free_before
 
 
 class HiSparseScheduling:
@@ -591,7 +471,7 @@ class HiSparseScheduling:
 
 def attach_hisparse(scheduler: Scheduler) -> HiSparseScheduling | None:
     """HiSparse's scheduler state when `hisparse_config` is set and plans can run, else None."""
-    if scheduler.vllm_config.attention_config.hisparse_config is None or not plans_executable():
+    if not hisparse_active(scheduler.vllm_config):
         return None
     return HiSparseScheduling(scheduler)
 

@@ -9,7 +9,7 @@ Owns the one seam between a sparse-MLA backend and the HiSparse worker:
   nothing else: Hybrid costs nothing without pressure.
 - Otherwise the backend's own path still runs for the whole batch, because its
   kernel metadata describes the whole batch. Then the worker resolves the
-  tokens of requests with HOST pages (`HiSparseWorker.attend`) and replaces
+  tokens of requests with HOST pages (`HiSparseResolution.attend`) and replaces
   their outputs with `attend_rows`: the backend's kernel run on just those
   tokens over the rows the resolver chose.
 
@@ -27,17 +27,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from vllm.v1.hisparse.worker import active_hisparse_worker
+from vllm.v1.hisparse.resolution import RESOLVING_MARKER, active_resolution
 
 AttendRows = Callable[..., torch.Tensor]
 RowView = Callable[[torch.Tensor, int], tuple[torch.Tensor, int]]
-
-# The attention backends whose forward_mqa resolves through HiSparse, by registry name.
-RESOLVING_BACKENDS = ("CPU_SPARSE_MLA", "FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE", "FLASH_ATTN_MLA_SPARSE")
 
 
 def flat_row_view(kv_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
@@ -53,7 +49,7 @@ def resolves_through_hisparse(attend_rows: AttendRows, row_view: RowView = flat_
     def decorate(forward_mqa):
         @functools.wraps(forward_mqa)
         def forward_mqa_resolving(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-            hisparse = active_hisparse_worker()
+            hisparse = active_resolution()
             if hisparse is None or not hisparse.resolves(layer.layer_name):
                 return forward_mqa(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer)
             if getattr(impl, "dcp_world_size", 1) > 1:
@@ -85,15 +81,10 @@ def resolves_through_hisparse(attend_rows: AttendRows, row_view: RowView = flat_
             )
             return out, None
 
-        forward_mqa_resolving.resolves_through_hisparse = True
+        setattr(forward_mqa_resolving, RESOLVING_MARKER, True)
         return forward_mqa_resolving
 
     return decorate
-
-
-def impl_resolves(impl: Any) -> bool:
-    """Whether a layer's attention impl resolves HOST pages through HiSparse."""
-    return bool(getattr(type(impl).forward_mqa, "resolves_through_hisparse", False))
 
 
 def select_tokens(q: torch.Tensor | tuple[torch.Tensor, ...], tokens: torch.Tensor):
