@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Torch binding of the HiSparse CUDA kernels: registers torch.ops._hisparse_C.*.
-// Shapes and dtypes are validated in Python (vllm/v1/hisparse/resolver.py);
+// Shapes and dtypes are validated in Python (vllm/v1/hisparse/resolver.py, page_copy.py);
 // here only what the kernel itself relies on is checked.
 
 #include <c10/cuda/CUDAStream.h>
@@ -8,7 +8,7 @@
 #include <torch/library.h>
 
 #include "hisparse_page_copy.h"
-#include "hisparse_resolver.h"
+#include "hisparse_row_copy.h"
 
 namespace {
 
@@ -18,63 +18,36 @@ void check_cuda_long(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-at::Tensor resolve_topk_slots(const at::Tensor& positions, const at::Tensor& req_ids,
-                              const at::Tensor& page_table, at::Tensor& kv_rows,
-                              const at::Tensor& host_rows, const at::Tensor& host_page_table,
-                              const at::Tensor& hot_rows, at::Tensor& hot_positions,
-                              at::Tensor& hot_stamps, int64_t block_size,
-                              int64_t block_stride_rows, int64_t step) {
-  check_cuda_long(positions, "positions");
-  check_cuda_long(req_ids, "req_ids");
-  check_cuda_long(page_table, "page_table");
-  check_cuda_long(host_page_table, "host_page_table");
-  check_cuda_long(hot_rows, "hot_rows");
-  check_cuda_long(hot_positions, "hot_positions");
-  check_cuda_long(hot_stamps, "hot_stamps");
-  TORCH_CHECK(kv_rows.is_cuda() && kv_rows.stride(1) == 1, "kv_rows must be CUDA rows");
-  TORCH_CHECK(host_rows.is_pinned() && host_rows.is_contiguous(),
-              "host_rows must be contiguous pinned host memory");
-  TORCH_CHECK(kv_rows.element_size() == host_rows.element_size(),
-              "kv_rows and host_rows differ in element size");
-
-  const c10::cuda::CUDAGuard guard(positions.device());
-  auto out = at::empty_like(positions);
-  auto error = at::zeros({1}, positions.options());
+// kv_rows: CUDA [rows, width] (any row stride); host_rows: pinned [rows, width], same
+// element size; dst_rows / src_rows: CUDA int64 [n]; copy: CUDA bool [n].
+void copy_host_rows(at::Tensor& kv_rows, const at::Tensor& dst_rows, const at::Tensor& host_rows,
+                    const at::Tensor& src_rows, const at::Tensor& copy) {
+  TORCH_CHECK(kv_rows.is_cuda() && kv_rows.dim() == 2 && kv_rows.stride(1) == 1,
+              "kv_rows must be CUDA rows [rows, width] with contiguous columns");
+  TORCH_CHECK(host_rows.is_pinned() && host_rows.dim() == 2 && host_rows.stride(1) == 1,
+              "host_rows must be pinned host rows [rows, width] with contiguous columns");
+  TORCH_CHECK(kv_rows.size(1) * kv_rows.element_size() == host_rows.size(1) * host_rows.element_size(),
+              "kv_rows and host_rows rows differ in bytes");
+  check_cuda_long(dst_rows, "dst_rows");
+  check_cuda_long(src_rows, "src_rows");
+  TORCH_CHECK(copy.is_cuda() && copy.scalar_type() == at::kBool && copy.is_contiguous(),
+              "copy must be a contiguous CUDA bool tensor");
+  TORCH_CHECK(dst_rows.numel() == src_rows.numel() && copy.numel() == dst_rows.numel(),
+              "dst_rows, src_rows and copy must have one entry each");
+  const c10::cuda::CUDAGuard guard(kv_rows.device());
   void* host_ptr = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&host_ptr, host_rows.data_ptr(), 0));
-
-  hisparse::ResolverArgs args{};
-  args.positions = positions.data_ptr<int64_t>();
-  args.req_ids = req_ids.data_ptr<int64_t>();
-  args.page_table = page_table.data_ptr<int64_t>();
-  args.host_page_table = host_page_table.data_ptr<int64_t>();
-  args.hot_rows = hot_rows.data_ptr<int64_t>();
-  args.hot_positions = hot_positions.data_ptr<int64_t>();
-  args.hot_stamps = hot_stamps.data_ptr<int64_t>();
-  args.out = out.data_ptr<int64_t>();
-  args.error = error.data_ptr<int64_t>();
-  args.num_tokens = positions.size(0);
-  args.topk = positions.size(1);
-  args.num_requests = page_table.size(0);
-  args.num_pages = page_table.size(1);
-  args.hot_slots = hot_rows.size(1);
-  args.width = kv_rows.size(1);
-  args.block_size = block_size;
-  args.block_stride_rows = block_stride_rows;
-  args.step = step;
-  // kv_rows rows are strided by stride(0); the kernel indexes rows of `width`.
-  TORCH_CHECK(kv_rows.stride(0) == kv_rows.size(1), "kv_rows rows must be contiguous");
-
-  C10_CUDA_CHECK(hisparse::launch_resolve_topk_slots(
-      args, kv_rows.data_ptr(), host_ptr, static_cast<int>(kv_rows.element_size()),
-      c10::cuda::getCurrentCUDAStream()));
-  const int64_t code = error.item<int64_t>();
-  TORCH_CHECK(code != static_cast<int64_t>(hisparse::kErrorHotBufferTooSmall),
-              "HotBufferTooSmall: a request selected more distinct non-resident rows in one "
-              "step than its hot buffer holds; raise hisparse_config.device_buffer_size");
-  TORCH_CHECK(code != static_cast<int64_t>(hisparse::kErrorNotInHostPool),
-              "a selected position is neither resident nor in the host pool");
-  return out;
+  hisparse::RowCopyArgs args{};
+  args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
+  args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
+  args.host_rows = static_cast<const char*>(host_ptr);
+  args.host_row_stride = host_rows.stride(0) * host_rows.element_size();
+  args.dst_rows = dst_rows.data_ptr<int64_t>();
+  args.src_rows = src_rows.data_ptr<int64_t>();
+  args.copy = copy.data_ptr<bool>();
+  args.n = dst_rows.numel();
+  args.row_bytes = kv_rows.size(1) * kv_rows.element_size();
+  C10_CUDA_CHECK(hisparse::launch_copy_host_rows(args, c10::cuda::getCurrentCUDAStream()));
 }
 
 // layer_base / layer_block_stride: CPU int64 [num_layers] (device addresses, bytes);
@@ -129,9 +102,8 @@ void copy_pages(const at::Tensor& layer_base, const at::Tensor& layer_block_stri
 
 TORCH_LIBRARY(_hisparse_C, m) {
   m.def(
-      "resolve_topk_slots(Tensor positions, Tensor req_ids, Tensor page_table, Tensor(a!) kv_rows, "
-      "Tensor host_rows, Tensor host_page_table, Tensor hot_rows, Tensor(b!) hot_positions, "
-      "Tensor(c!) hot_stamps, int block_size, int block_stride_rows, int step) -> Tensor");
+      "copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, Tensor host_rows, Tensor src_rows, "
+      "Tensor copy) -> ()");
   m.def(
       "copy_pages(Tensor layer_base, Tensor layer_block_stride, int page_bytes, "
       "Tensor(a!) host_pool, int host_layer_stride, int host_page_stride, Tensor block_ids, "
@@ -139,6 +111,6 @@ TORCH_LIBRARY(_hisparse_C, m) {
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CUDA, m) {
-  m.impl("resolve_topk_slots", &resolve_topk_slots);
+  m.impl("copy_host_rows", &copy_host_rows);
   m.impl("copy_pages", &copy_pages);
 }

@@ -191,7 +191,10 @@ class TinyModelSpec:
     (``first_k_dense_replace=1``), 4 routed experts with 2 per token plus 1 shared expert.
     ``num_nextn_predict_layers`` adds the released models' multi-token-prediction (MTP) layers
     after the decoder layers, for vLLM's ``mtp`` speculative decoding (transformers ignores
-    them).
+    them). ``index_topk_freq`` > 1 shares indexers as GLM-5.x checkpoints do (IndexCache):
+    only every ``index_topk_freq``-th layer from layer 1 on runs its own indexer, the others
+    reuse the previous one's top-K (vLLM's ``index_topk_freq`` with its default offset 2,
+    transformers' ``indexer_types``).
     """
 
     arch: Arch = "glm5"
@@ -206,6 +209,7 @@ class TinyModelSpec:
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 128
+    index_topk_freq: int = 1
     n_routed_experts: int = 4
     num_experts_per_tok: int = 2
     n_shared_experts: int = 1
@@ -353,6 +357,8 @@ def build_config(spec: TinyModelSpec) -> PretrainedConfig:
         qk_nope_head_dim=spec.qk_nope_head_dim,
         v_head_dim=spec.v_head_dim,
         index_topk=spec.index_topk,
+        # Only when shared, so the checkpoints without sharing keep their config.json.
+        **({"index_topk_freq": spec.index_topk_freq} if spec.index_topk_freq > 1 else {}),
         index_head_dim=spec.index_head_dim,
         index_n_heads=spec.index_n_heads,
         first_k_dense_replace=spec.first_k_dense_replace,
@@ -692,6 +698,7 @@ _CLI_FLAGS: dict[str, str] = {
     "index-n-heads": "index_n_heads",
     "index-head-dim": "index_head_dim",
     "index-topk": "index_topk",
+    "index-topk-freq": "index_topk_freq",
     "experts": "n_routed_experts",
     "experts-per-tok": "num_experts_per_tok",
     "shared-experts": "n_shared_experts",

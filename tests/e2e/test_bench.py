@@ -20,7 +20,7 @@ def test_the_benchmark_measures_the_baseline_and_hybrid_side_by_side(tmp_path):
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "agentic.py"), "--configs", "offload,hybrid",
          "--concurrency", "2", "--turns", "2", "--scale", "0.0125", "--kv-cache-bytes", str(12 << 20),
-         "--out", str(out)],
+         "--no-warmup", "--no-scheduler-steps", "--out", str(out)],
         capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -39,6 +39,14 @@ def test_the_benchmark_measures_the_baseline_and_hybrid_side_by_side(tmp_path):
         assert run["computed_prompt_tokens"] >= run["new_prompt_tokens"]
         assert run["bytes_to_host"] > 0, "the connector stored, or HiSparse copied, something"
     assert runs["hybrid"]["pages_demoted"] > 0, "the KV pool was under pressure"
+    # The data path's work counters: one attention call per layer and step (no second
+    # pass), at most one resolver call per layer in any step, every one of them counted.
+    hybrid = runs["hybrid"]
+    assert hybrid["attention_calls_per_layer_step"] == pytest.approx(1.0)
+    assert hybrid["max_resolver_calls_per_layer_step"] == 1
+    assert 0 < hybrid["resolver_calls_per_layer_step"] <= 1
+    assert hybrid["rows_loaded"] > 0 and hybrid["engine_steps"] > 0
+    assert hybrid["host_syncs_per_step"] == pytest.approx(1.0), "one read of the step's counters"
     # Ratios are the two runs' own figures divided, measured in the same invocation.
     for name, ratio in runs["hybrid"]["ratios_to_baseline"].items():
         assert ratio == pytest.approx(runs["hybrid"][name] / runs["offload"][name])

@@ -92,7 +92,8 @@ def test_no_pressure_keeps_every_request_full_and_copies_ahead(model):
     # Proactive copies: every completed page went to the host while served from the GPU.
     assert stats["pages_copied_to_host"] == 3 * (340 // BLOCK)
     for o in observations:
-        assert not o.hisparse_plan.block_table_updates and not o.hisparse_plan.residency
+        plan = o.hisparse_plan
+        assert not plan.block_table_updates and not plan.host_pages and not plan.leases and not plan.staging
 
 
 def test_pressure_turns_requests_mixed_instead_of_preempting_and_runs_more_of_them(model):
@@ -120,30 +121,34 @@ def test_pressure_turns_requests_mixed_instead_of_preempting_and_runs_more_of_th
     assert len(obs) < len(base_obs)
 
 
-def test_demotion_plans_null_block_updates_and_a_residency_map_for_the_resolver(model):
+def test_demotion_plans_null_block_updates_and_host_page_deltas_for_the_resolver(model):
     h = harness(model, 20)
     for i in range(8):
         h.add_request(prompt(i, 512), max_tokens=64)
     demoted_seen = False
+    leased: set[str] = set()
     for _ in range(400):
         if not h.scheduler.has_requests():
             break
         observation = h.step()
         plan = observation.hisparse_plan
-        assert plan.version == 2 and plan.mla_group_ids == tuple(range(MLA_GROUPS))
+        assert plan.version == 3 and plan.mla_group_ids == tuple(range(MLA_GROUPS))
         for update in plan.block_table_updates:
             assert update.block_id == NULL_BLOCK_ID and update.group_id in plan.mla_group_ids
-        for entry in plan.residency:
-            req = h.hisparse.residency.requests.get(entry.request_id)
+        for lease in plan.leases:
+            assert lease.request_id not in leased, "a lease crosses once"
+            leased.add(lease.request_id)
+            assert len(lease.block_ids) == MLA_GROUPS and all(len(ids) == 1 for ids in lease.block_ids)
+        for update in plan.host_pages:
+            assert update.request_id in leased, "a request with HOST pages has its lease"
+            req = h.hisparse.residency.requests.get(update.request_id)
             if req is None:
                 continue  # ended after the plan was made
             demoted_seen = True
-            assert len(entry.hot_block_ids) == MLA_GROUPS
-            assert all(len(ids) == 1 for ids in entry.hot_block_ids)
-            for page_index, _host_page in entry.host_pages:
-                for group_id in plan.mla_group_ids:
-                    table = h.kv_cache_manager.coordinator.single_type_managers[group_id].req_to_blocks
-                    assert table[entry.request_id][page_index].is_null
+            assert req.pages[update.page_index].host_page == update.host_page
+            for group_id in plan.mla_group_ids:
+                table = h.kv_cache_manager.coordinator.single_type_managers[group_id].req_to_blocks
+                assert table[update.request_id][update.page_index].is_null
         for copy in plan.copies:
             assert len(copy.block_ids) == MLA_GROUPS
     assert demoted_seen
@@ -189,8 +194,8 @@ def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
     stats = obs[-1].hisparse_stats
     assert stats["host_prefix_pages_reused"] == 10 and stats["hot_leases"] == 1
     assert h.total_preemptions == 0
-    entry = next(e for e in admitted.hisparse_plan.residency if e.request_id == second.request_id)
-    assert [page for page, _ in entry.host_pages] == list(range(10))
+    updates = [u for u in admitted.hisparse_plan.host_pages if u.request_id == second.request_id]
+    assert [u.page_index for u in updates] == list(range(10))
 
 
 def test_without_a_device_copy_of_the_indexer_cache_the_prefix_is_recomputed(model):
@@ -259,11 +264,11 @@ def test_a_worker_that_runs_no_plans_leaves_every_page_resident(model):
 
 @pytest.mark.parametrize("mode", ["hybrid", "always"])
 def test_preempting_a_mixed_request_keeps_its_host_pages_for_resumption(model, mode):
-    # A pool too small for four growing requests even with their pages demoted:
+    # A pool too small for five growing requests even with their pages demoted:
     # preemption stays the last resort, and a preempted request resumes from the
     # host copies of its pages instead of recomputing them.
-    h = harness(model, 4, hisparse_config(mode=mode), max_model_len=1024, max_num_batched_tokens=128)
-    for i in range(4):
+    h = harness(model, 3.5, hisparse_config(mode=mode), max_model_len=1024, max_num_batched_tokens=128)
+    for i in range(5):
         h.add_request(prompt(i, 400), max_tokens=150)
     obs = run_checked(h, max_steps=3000)
     assert all(req.num_output_tokens == 150 for req in h.requests.values())
@@ -338,12 +343,12 @@ def test_the_step_plan_pickles_to_an_equal_plan_of_plain_values(model):
     for i in range(8):
         h.add_request(prompt(i, 512), max_tokens=64)
     plans = [h.step().hisparse_plan for _ in range(6)]
-    busiest = max(plans, key=lambda p: len(p.copies) + len(p.block_table_updates) + len(p.residency))
-    assert busiest.copies and busiest.block_table_updates and busiest.residency
+    busiest = max(plans, key=lambda p: len(p.copies) + len(p.block_table_updates) + len(p.host_pages))
+    assert busiest.copies and busiest.block_table_updates and busiest.host_pages
     data = pickle.dumps(busiest)
     assert pickle.loads(data) == busiest
     # Plain values only: nothing of the scheduler (blocks, requests) rides along.
-    entries = len(busiest.copies) + len(busiest.block_table_updates) + len(busiest.residency)
+    entries = len(busiest.copies) + len(busiest.block_table_updates) + len(busiest.host_pages)
     assert len(data) < 400 * entries
 
 

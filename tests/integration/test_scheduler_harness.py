@@ -239,3 +239,15 @@ def test_kv_cache_groups_match_the_engine(engine_report):
     # Sizing the pool by block count (what the other tests do) builds the same config.
     by_count = harness_like_engine(engine_report["config"], num_blocks=engine_config.num_blocks)
     assert by_count.kv_cache_config == engine_config
+
+
+def test_the_scheduling_time_sweep_measures_a_batch_under_pressure():
+    """benchmarks/scheduler_steps.py times decode steps of requests whose pages moved to the host."""
+    import sys
+
+    sys.path.insert(0, str(sh.REPO / "benchmarks"))
+    import scheduler_steps
+
+    row = scheduler_steps.measure(1024, batch=2, decode_steps=4)
+    assert row["host_pages"] > 0, "the batch decodes with pages in the host pool"
+    assert row["preemptions"] == 0 and row["mean_ms"] > 0

@@ -7,23 +7,31 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.hisparse.resolver import HotBufferTooSmall, HotState
+from vllm.v1.attention.ops import dsa_torch
+from vllm.v1.hisparse.resolver import HotState
 
 BLOCK = 4
 WIDTH = 3
 
 
+class StagingOverflow(Exception):
+    """The model's verdict: the step needs more staging slots than it was given."""
+
+
 @dataclass
 class Scenario:
-    positions: torch.Tensor
-    req_ids: torch.Tensor
-    page_table: torch.Tensor
-    host_page_table: torch.Tensor
+    positions: torch.Tensor  # [T, K]
+    token_requests: torch.Tensor  # [T]: request row m, -1 for a fully resident request
+    rows: torch.Tensor  # [T, K]: the backend's own conversion (HOST pages -> null block)
+    host_page_table: torch.Tensor  # [R, P]
+    table_rows: torch.Tensor  # [M]
     kv_rows: torch.Tensor
     host_rows: torch.Tensor
     hot: HotState
-    truth: dict[tuple[int, int], torch.Tensor]
-    stride: int
+    slot_rows: torch.Tensor  # [M, H + S]
+    staging_slots: torch.Tensor  # [M]
+    truth: dict[tuple[int, int], torch.Tensor]  # (batch request, position) -> its KV row
+    batch_request: list[int]  # per token: its request in the batch
     step: int
 
 
@@ -36,7 +44,10 @@ def build(
     topk: int,
     resident_p: float,
     hot_fill: int,
+    staging: int = 0,
 ) -> Scenario:
+    """Requests 0..num_reqs-1 of a batch; those with a HOST page get hot state rows m, in
+    a host page table whose rows are a shuffled subset of a larger table."""
     rng = random.Random(seed)
     stride = BLOCK + rng.choice([0, 2])
     truth = {
@@ -44,84 +55,111 @@ def build(
         for r in range(num_reqs)
         for p in range(pages * BLOCK)
     }
-    num_device_blocks = num_reqs * pages + num_reqs * hot_slots
+    num_device_blocks = 1 + num_reqs * pages + num_reqs * (-(-(hot_slots + staging) // BLOCK))
     kv_rows = torch.full((num_device_blocks * stride, WIDTH), -9.0)
     host_rows = torch.full((num_reqs * pages * BLOCK, WIDTH), -7.0)
-    page_table = torch.full((num_reqs, pages), -1, dtype=torch.int64)
-    host_page_table = torch.full((num_reqs, pages), -1, dtype=torch.int64)
-    block_ids = list(range(num_device_blocks))
+    block_table = torch.zeros((num_reqs, pages), dtype=torch.int64)  # 0: the null block
+    block_ids = list(range(1, num_device_blocks))
     rng.shuffle(block_ids)
     host_ids = list(range(num_reqs * pages))
     rng.shuffle(host_ids)
+    host_of: dict[tuple[int, int], int] = {}
     for r in range(num_reqs):
         for page in range(pages):
-            resident = rng.random() < resident_p
-            if resident:
+            if rng.random() < resident_p:
                 block = block_ids.pop()
-                page_table[r, page] = block
+                block_table[r, page] = block
                 for o in range(BLOCK):
                     kv_rows[block * stride + o] = truth[(r, page * BLOCK + o)]
-            if not resident or rng.random() < 0.5:
+            else:
                 host = host_ids.pop()
-                host_page_table[r, page] = host
+                host_of[(r, page)] = host
                 for o in range(BLOCK):
                     host_rows[host * BLOCK + o] = truth[(r, page * BLOCK + o)]
+    mixed = sorted({r for r, _ in host_of})
+    table_size = len(mixed) + 2
+    free_table_rows = list(range(table_size))
+    rng.shuffle(free_table_rows)
+    table_rows = torch.tensor([free_table_rows[m] for m in range(len(mixed))], dtype=torch.int64)
+    host_page_table = torch.full((table_size, pages), -1, dtype=torch.int64)
+    for (r, page), host in host_of.items():
+        host_page_table[table_rows[mixed.index(r)], page] = host
     step = 10
-    rows = torch.zeros(num_reqs, hot_slots, dtype=torch.int64)
-    held = torch.full((num_reqs, hot_slots), -1, dtype=torch.int64)
-    stamps = torch.full((num_reqs, hot_slots), -1, dtype=torch.int64)
-    for r in range(num_reqs):
-        slot_rows = [block_ids.pop() * stride for _ in range(hot_slots)]
-        rows[r] = torch.tensor(slot_rows)
-        off_device = [p for p in range(pages * BLOCK) if page_table[r, p // BLOCK] < 0]
+    held = torch.full((len(mixed), hot_slots), -1, dtype=torch.int64)
+    stamps = torch.full((len(mixed), hot_slots), -1, dtype=torch.int64)
+    slot_rows = torch.zeros((len(mixed), hot_slots + staging), dtype=torch.int64)
+    for m, r in enumerate(mixed):
+        blocks = [block_ids.pop() for _ in range(-(-(hot_slots + staging) // BLOCK))]
+        rows = [b * stride + o for b in blocks for o in range(BLOCK)]
+        slot_rows[m] = torch.tensor(rows[: hot_slots + staging])
+        off_device = [p for p in range(pages * BLOCK) if (r, p // BLOCK) in host_of]
         for slot, p in enumerate(rng.sample(off_device, min(hot_fill, len(off_device), hot_slots))):
-            held[r, slot] = p
-            stamps[r, slot] = rng.randrange(0, step)
-            kv_rows[slot_rows[slot]] = truth[(r, p)]
-    req_ids = torch.tensor([rng.randrange(num_reqs) for _ in range(tokens)])
+            held[m, slot] = p
+            stamps[m, slot] = rng.randrange(0, step)
+            kv_rows[slot_rows[m, slot]] = truth[(r, p)]
+    batch_request = [rng.randrange(num_reqs) for _ in range(tokens)]
+    token_requests = torch.tensor([mixed.index(r) if r in mixed else -1 for r in batch_request])
     positions = torch.tensor(
         [[rng.choice([-1, *range(pages * BLOCK)]) for _ in range(topk)] for _ in range(tokens)]
     )
+    rows = dsa_torch.positions_to_slots(positions, torch.tensor(batch_request), block_table, BLOCK, stride)
     return Scenario(
-        positions,
-        req_ids,
-        page_table,
-        host_page_table,
-        kv_rows,
-        host_rows,
-        HotState(rows, held, stamps),
-        truth,
-        stride,
-        step,
+        positions=positions,
+        token_requests=token_requests,
+        rows=rows,
+        host_page_table=host_page_table,
+        table_rows=table_rows,
+        kv_rows=kv_rows,
+        host_rows=host_rows,
+        hot=HotState(held, stamps),
+        slot_rows=slot_rows,
+        staging_slots=torch.full((len(mixed),), staging, dtype=torch.int64),
+        truth=truth,
+        batch_request=batch_request,
+        step=step,
     )
 
 
 def brute_force(s: Scenario) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """The contract, written out with plain lists."""
+    """The contract, written out with plain lists: (rows, held positions, stamps) after the step."""
     held = s.hot.positions.tolist()
     stamps = s.hot.stamps.tolist()
-    rows = s.hot.rows.tolist()
+    hot_slots = s.hot.positions.shape[1]
+    table = s.host_page_table.tolist()
+    table_rows = s.table_rows.tolist()
+    slot_of: dict[tuple[int, int], int] = {}
+    for m in range(len(held)):
+        wanted = sorted({
+            p
+            for t, entries in enumerate(s.positions.tolist())
+            if int(s.token_requests[t]) == m
+            for p in entries
+            if p >= 0 and table[table_rows[m]][p // BLOCK] >= 0
+        })
+        hits = [p for p in wanted if p in held[m]]
+        selected = {held[m].index(p) for p in hits}
+        eligible = sorted((i for i in range(hot_slots) if i not in selected), key=lambda i: (stamps[m][i], i))
+        for p in hits:
+            slot_of[(m, p)] = held[m].index(p)
+            stamps[m][held[m].index(p)] = s.step
+        for i, p in enumerate(p for p in wanted if p not in hits):
+            if i < len(eligible):
+                slot = eligible[i]
+                held[m][slot] = p
+                stamps[m][slot] = s.step
+            else:
+                if i - len(eligible) >= int(s.staging_slots[m]):
+                    raise StagingOverflow
+                slot = hot_slots + i - len(eligible)
+            slot_of[(m, p)] = slot
     out = []
     for t, entries in enumerate(s.positions.tolist()):
-        r = int(s.req_ids[t])
+        m = int(s.token_requests[t])
         line = []
-        for p in entries:
-            if p < 0:
-                line.append(-1)
-                continue
-            block = int(s.page_table[r, p // BLOCK])
-            if block >= 0:
-                line.append(block * s.stride + p % BLOCK)
-                continue
-            if p in held[r]:
-                slot = held[r].index(p)
+        for k, p in enumerate(entries):
+            if (m, p) in slot_of:
+                line.append(int(s.slot_rows[m, slot_of[(m, p)]]))
             else:
-                candidates = [i for i in range(len(held[r])) if stamps[r][i] != s.step]
-                if not candidates:
-                    raise HotBufferTooSmall
-                slot = min(candidates, key=lambda i: (stamps[r][i], i))
-                held[r][slot] = p
-            stamps[r][slot] = s.step
-            line.append(rows[r][slot])
+                line.append(int(s.rows[t, k]))
         out.append(line)
     return out, held, stamps

@@ -177,9 +177,10 @@ def test_startup_accepts_the_checkpoints_own_mtp_layers(tmp_path, tiny_glm_dsa_d
     # A GLM-5 checkpoint with a next-token layer as its own draft model is MTP.
     config = json.loads((tiny_glm_dsa_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    mtp = speculative_engine_config(tmp_path, {"model": str(tmp_path), "num_speculative_tokens": 2})
+    mtp = speculative_engine_config(tmp_path, {"model": str(tmp_path), "num_speculative_tokens": 3})
     assert mtp.speculative_config.method == "mtp"
-    assert mtp.attention_config.hisparse_config is not None
+    # A decode step verifies 3 drafts: 4 tokens' selections fit the default hot buffer.
+    assert mtp.attention_config.hisparse_config.device_buffer_size == 4 * 32
 
 
 def test_startup_refuses_another_draft_model_with_a_clear_reason(tiny_glm_dsa_dir, tiny_llama_dir):
@@ -191,7 +192,7 @@ def test_startup_refuses_another_draft_model_with_a_clear_reason(tiny_glm_dsa_di
 def test_startup_accepts_model_free_drafts(tiny_glm_dsa_dir):
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     config = speculative_engine_config(tiny_glm_dsa_dir, ngram)
-    assert config.attention_config.hisparse_config is not None
+    assert config.attention_config.hisparse_config.device_buffer_size == 3 * 32
     assert config.speculative_config.method == "ngram"
 
 

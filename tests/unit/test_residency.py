@@ -365,9 +365,19 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.tokens[name] = target
         self.mgr.advance(name, target)
 
-    @rule()
-    def plan(self):
-        self.in_flight.append(self.mgr.plan_copies())
+    @precondition(lambda self: self.mgr.requests)
+    @rule(data=st.data(), rejected=st.integers(1, 130), prefilling=st.booleans())
+    def reject(self, data, rejected, prefilling):
+        """Rejected draft tokens: the stable count falls back, and completed pages with it."""
+        name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        self.tokens[name] = max(self.tokens[name] - rejected, 0)
+        self.mgr.advance(name, self.tokens[name])
+        self.mgr.set_prefilling(name, prefilling)
+
+    @rule(frozen=st.booleans())
+    def plan(self, frozen):
+        names = set(list(self.mgr.requests)[:1]) if frozen else set()
+        self.in_flight.append(self.mgr.plan_copies(frozen=names))
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), lands=st.booleans())
@@ -384,9 +394,13 @@ class ResidencyMachine(RuleBasedStateMachine):
     @rule(data=st.data(), blocks=st.integers(1, 12))
     def pressure(self, data, blocks):
         protect = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        frozen = set(data.draw(st.lists(st.sampled_from(sorted(self.mgr.requests)), max_size=2)))
+        hosted = {name: self.mgr.requests[name].num_host_pages for name in frozen}
         free_before = self.pool.num_free_blocks()
-        freed = self.mgr.relieve_pressure(blocks, protect=protect)
+        freed = self.mgr.relieve_pressure(blocks, protect=protect, frozen=frozen)
         assert self.pool.num_free_blocks() == free_before + freed
+        for name, host_pages in hosted.items():
+            assert self.mgr.requests[name].num_host_pages == host_pages, "a frozen request keeps its pages"
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data())

@@ -8,106 +8,151 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from resolver_cases import BLOCK, Scenario, brute_force, build
+from resolver_cases import BLOCK, Scenario, StagingOverflow, brute_force, build
 
-from vllm.v1.hisparse.resolver import HotBufferTooSmall, HotState, resolve_topk_slots
+from vllm.v1.hisparse.resolver import (
+    ERROR_STAGING_OVERFLOW,
+    HotState,
+    ResolverError,
+    plan_resolution,
+    resolve_topk_slots,
+)
 
 
 def resolve(s: Scenario) -> torch.Tensor:
-    return resolve_topk_slots(
+    rows, _ = resolve_topk_slots(
         s.positions,
-        s.req_ids,
-        s.page_table,
+        s.token_requests,
+        s.rows,
+        s.host_page_table,
         BLOCK,
+        s.hot,
+        s.slot_rows,
+        s.staging_slots,
         s.kv_rows,
         s.host_rows,
-        s.host_page_table,
-        s.hot,
         s.step,
-        s.stride,
+        s.table_rows,
+    )
+    return rows
+
+
+def copy_of(s: Scenario) -> Scenario:
+    return replace(
+        s,
+        kv_rows=s.kv_rows.clone(),
+        hot=HotState(s.hot.positions.clone(), s.hot.stamps.clone()),
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     seed=st.integers(0, 2**20),
     num_reqs=st.integers(1, 3),
     pages=st.integers(1, 5),
     hot_slots=st.integers(1, 12),
-    tokens=st.integers(1, 4),
+    tokens=st.integers(1, 5),
     topk=st.integers(1, 6),
-    resident_p=st.sampled_from([0.0, 0.5, 1.0]),
+    resident_p=st.sampled_from([0.0, 0.5, 0.9]),
     hot_fill=st.integers(0, 12),
+    staging=st.integers(0, 8),
 )
 def test_reference_matches_the_contract_and_reads_the_true_rows(
-    seed, num_reqs, pages, hot_slots, tokens, topk, resident_p, hot_fill
+    seed, num_reqs, pages, hot_slots, tokens, topk, resident_p, hot_fill, staging
 ):
-    s = build(seed, num_reqs, pages, hot_slots, tokens, topk, resident_p, hot_fill)
+    s = build(seed, num_reqs, pages, hot_slots, tokens, topk, resident_p, hot_fill, staging)
+    if not len(s.table_rows):
+        return  # every page resident: the backend's own conversion stands, nothing to resolve
     try:
-        expected, held, stamps = brute_force(
-            build(seed, num_reqs, pages, hot_slots, tokens, topk, resident_p, hot_fill)
-        )
-    except HotBufferTooSmall:
-        with pytest.raises(HotBufferTooSmall, match="raise hisparse_config.device_buffer_size"):
+        expected, held, stamps = brute_force(copy_of(s))
+    except StagingOverflow:
+        with pytest.raises(ResolverError, match="staging rows the scheduler leased"):
             resolve(s)
         return
     out = resolve(s)
     assert out.tolist() == expected
     assert s.hot.positions.tolist() == held and s.hot.stamps.tolist() == stamps
     for t in range(out.shape[0]):
-        r = int(s.req_ids[t])
+        r = s.batch_request[t]
         for k in range(out.shape[1]):
             p = int(s.positions[t, k])
             if p >= 0:
                 assert torch.equal(s.kv_rows[out[t, k]], s.truth[(r, p)]), "attention reads the true row"
 
 
-def test_all_resident_is_the_plain_block_table_and_touches_nothing():
-    s = build(1, num_reqs=2, pages=3, hot_slots=4, tokens=3, topk=5, resident_p=1.0, hot_fill=0)
-    before = (s.kv_rows.clone(), s.hot.stamps.clone())
+def one_request(seed: int, hot_slots: int, staging: int = 0) -> Scenario:
+    s = build(seed, num_reqs=1, pages=3, hot_slots=hot_slots, tokens=1, topk=1, resident_p=0.0,
+              hot_fill=0, staging=staging)
+    assert len(s.table_rows) == 1
+    return s
+
+
+def with_selection(s: Scenario, selection: list[list[int]]) -> Scenario:
+    from vllm.v1.attention.ops import dsa_torch
+
+    positions = torch.tensor(selection)
+    null_table = torch.zeros((1, 3), dtype=torch.int64)
+    return replace(
+        s,
+        positions=positions,
+        token_requests=torch.zeros(len(selection), dtype=torch.int64),
+        rows=dsa_torch.positions_to_slots(positions, torch.zeros(len(selection), dtype=torch.int64),
+                                          null_table, BLOCK),
+        batch_request=[0] * len(selection),
+    )
+
+
+def test_a_position_picked_by_several_tokens_is_one_row_loaded_once():
+    s = with_selection(one_request(2, hot_slots=2), [[5, 5, -1], [5, 6, -1], [6, 5, 5]])
     out = resolve(s)
-    for t, k in zip(*torch.nonzero(s.positions >= 0, as_tuple=True), strict=True):
-        p, r = int(s.positions[t, k]), int(s.req_ids[t])
-        assert int(out[t, k]) == int(s.page_table[r, p // BLOCK]) * s.stride + p % BLOCK
-    assert torch.equal(s.kv_rows, before[0]) and torch.equal(s.hot.stamps, before[1])
+    assert out[0, 0] == out[0, 1] == out[1, 0] == out[2, 1] == out[2, 2]
+    assert out[1, 1] == out[2, 0] and out[0, 2] == -1
+    assert sorted(s.hot.positions[0].tolist()) == [5, 6]
 
 
-def test_duplicates_miss_once_then_hit():
-    s = build(2, num_reqs=1, pages=2, hot_slots=2, tokens=1, topk=1, resident_p=0.0, hot_fill=0)
-    s.positions = torch.tensor([[5, 5, -1, 5]])
-    s.req_ids = torch.tensor([0])
-    out = resolve(s)
-    assert out[0, 0] == out[0, 1] == out[0, 3] and out[0, 2] == -1
-    assert (s.hot.positions[0] == 5).sum() == 1
-
-
-def test_a_hot_buffer_exactly_as_large_as_the_step_suffices():
-    s = build(3, num_reqs=1, pages=2, hot_slots=3, tokens=1, topk=1, resident_p=0.0, hot_fill=0)
-    s.positions = torch.tensor([[1, 6, 7]])
-    s.req_ids = torch.tensor([0])
-    out = resolve(s)
-    assert sorted(out[0].tolist()) == sorted(s.hot.rows[0].tolist())
-    s.step += 1
-    s.positions = torch.tensor([[1, 6, 7, 2]])
-    with pytest.raises(HotBufferTooSmall):
-        resolve(s)
-
-
-def test_misses_evict_the_least_recently_used_slot_not_selected_this_step():
-    s = build(4, num_reqs=1, pages=2, hot_slots=3, tokens=1, topk=1, resident_p=0.0, hot_fill=0)
-    s.hot.positions[0] = torch.tensor([0, 1, 2])
-    s.hot.stamps[0] = torch.tensor([5, 3, 7])
+def test_misses_take_eligible_slots_in_lru_order_by_ascending_position():
+    s = one_request(4, hot_slots=4)
+    s.hot.positions[0] = torch.tensor([0, 1, 2, -1])
+    s.hot.stamps[0] = torch.tensor([5, 3, 7, -1])
     for slot, p in enumerate([0, 1, 2]):
-        s.kv_rows[s.hot.rows[0, slot]] = s.truth[(0, p)]
-    s.positions = torch.tensor([[1, 6]])  # hit slot 1 (stamp 3), then miss: slot 1 is protected
-    s.req_ids = torch.tensor([0])
+        s.kv_rows[s.slot_rows[0, slot]] = s.truth[(0, p)]
+    # 1 is a hit (slot 1 protected); misses 9 and 6, ascending: 6 -> empty slot 3, 9 -> slot 0 (stamp 5).
+    s = with_selection(s, [[9, 1], [6, 1]])
     resolve(s)
-    assert s.hot.positions[0].tolist() == [6, 1, 2], "slot 0 (stamp 5) was the oldest unprotected one"
+    assert s.hot.positions[0].tolist() == [9, 1, 2, 6]
+    assert s.hot.stamps[0].tolist() == [s.step, s.step, 7, s.step]
+
+
+def test_a_step_beyond_the_hot_buffer_stages_the_rest_and_keeps_them_out_of_the_hot_state():
+    s = with_selection(one_request(3, hot_slots=2, staging=3), [[1, 6, 7], [2, 9, -1]])
+    out = resolve(s)
+    hot_rows, staging_rows = s.slot_rows[0, :2].tolist(), s.slot_rows[0, 2:].tolist()
+    # Ascending: 1, 2 fill the hot slots; 6, 7, 9 go to staging slots 0, 1, 2.
+    assert s.hot.positions[0].tolist() == [1, 2]
+    assert out[0].tolist() == [hot_rows[0], staging_rows[0], staging_rows[1]]
+    assert out[1, 1] == staging_rows[2]
+
+
+def test_a_step_beyond_hot_and_staging_rows_is_an_error_not_a_wrong_row():
+    s = with_selection(one_request(3, hot_slots=2, staging=1), [[1, 6, 7, 9]])
+    plan = plan_resolution(s.positions, s.token_requests, s.host_page_table, BLOCK, s.hot, s.staging_slots,
+                           s.step, s.table_rows)
+    assert int(plan.error) & ERROR_STAGING_OVERFLOW
+    assert int(plan.rows_loaded) == 3, "the rows that fit are still served"
+
+
+def test_resident_entries_keep_the_backends_own_rows_and_touch_nothing():
+    s = build(1, num_reqs=3, pages=3, hot_slots=30, tokens=6, topk=5, resident_p=0.5, hot_fill=0)
+    resident = s.token_requests < 0
+    out = resolve(s)
+    assert torch.equal(out[resident], s.rows[resident])
 
 
 def test_bad_shapes_are_refused_with_the_shapes_seen():
-    s = build(5, num_reqs=1, pages=1, hot_slots=1, tokens=1, topk=1, resident_p=1.0, hot_fill=0)
+    s = one_request(5, hot_slots=1)
     with pytest.raises(ValueError, match=r"positions must be \[T, K\]"):
         resolve(replace(s, positions=s.positions[0]))
     with pytest.raises(ValueError, match="hot state stamps must be 2-D int64"):
-        resolve(replace(s, hot=HotState(s.hot.rows, s.hot.positions, s.hot.stamps.int())))
+        resolve(replace(s, hot=HotState(s.hot.positions, s.hot.stamps.int())))
+    with pytest.raises(ValueError, match="staging_slots and table_rows must be"):
+        resolve(replace(s, staging_slots=torch.zeros(2, dtype=torch.int64)))

@@ -3,12 +3,13 @@
 
 Each backend's real `forward_mqa` (patched by this distribution) runs here with
 its GPU kernels replaced, at the seam, by torch versions of the same contract:
-the Triton index conversion by `dsa_torch.positions_to_slots`, the attention
-kernels by `dsa_torch.sparse_mla_attention` over exactly the rows they are
-given. A request with two pages in the host pool, the null block in their
-place and their old device blocks overwritten must attend exactly as the same
-request with every page resident, in a layout where other layers' pages sit
-between this layer's blocks (so row and page-index spaces differ).
+upstream's Triton index conversion by `dsa_torch.positions_to_slots`, the
+attention kernels by `dsa_torch.sparse_mla_attention` over exactly the rows
+they are given. A request with two pages in the host pool, the null block in
+their place and their old device blocks overwritten must attend exactly as the
+same request with every page resident, in a layout where other layers' pages
+sit between this layer's blocks (so row and page-index spaces differ), with one
+attention kernel call for the whole batch.
 """
 
 from __future__ import annotations
@@ -24,10 +25,16 @@ import torch
 import vllm  # noqa: F401  (platform set-up before the backends import)
 from vllm.v1.attention.ops import dsa_torch
 from vllm.v1.hisparse import resolution as hisparse_resolution
+from vllm.v1.hisparse import sparse_mla
 from vllm.v1.hisparse import worker as hisparse_worker
-from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION, HiSparseStepPlan, RequestResidencyMap
+from vllm.v1.hisparse.plan import (
+    HISPARSE_PLAN_VERSION,
+    HiSparseStepPlan,
+    HostPageUpdate,
+    HotLeaseUpdate,
+    StepStaging,
+)
 from vllm.v1.hisparse.resolution import impl_resolves
-from vllm.v1.hisparse.sparse_mla import kernel_indices
 
 BLOCK = 64
 LATENT = 512
@@ -35,15 +42,17 @@ WIDTH = LATENT + 64
 FP8_WIDTH = 656
 HEADS = 2
 TOPK = 32
-NUM_BLOCKS = 10
+NUM_BLOCKS = 11
 LAYER = "model.layers.0.self_attn.attn"
 SCALE = WIDTH**-0.5
 # Batch row 0 is fully resident; row 1 has pages 0 and 1 in host pages 0 and 1,
-# whose device blocks 4 and 5 were freed and reused, and a hot lease of block 8.
+# whose device blocks 4 and 5 were freed and reused, a hot lease of block 8 and,
+# for this step, staging rows in block 10.
 RESIDENT_TABLE = [[1, 2, 3, 0], [4, 5, 6, 7]]
 HISPARSE_TABLE = [[1, 2, 3, 0], [0, 0, 6, 7]]
 DEMOTED = {0: 4, 1: 5}  # page -> its old block
 HOT_BLOCK = 8
+STAGING_BLOCK = 10
 REQ_ID_PER_TOKEN = [0, 0, 1, 1, 1]  # three query tokens of the request with host pages
 
 
@@ -100,7 +109,7 @@ class Case:
             requests={},
         )
         worker = hisparse_worker.HiSparseWorker(
-            runner, {LAYER: cache}, group_of_layer={LAYER: 0}, hot_rows=BLOCK, num_host_pages=4
+            runner, {LAYER: cache}, group_of_layer={LAYER: 0}, hot_rows=BLOCK, num_host_pages=4, max_pages=4
         )
         for page, block in DEMOTED.items():
             worker.host_pool[0, page] = cache[block]
@@ -109,9 +118,15 @@ class Case:
 
 
 def plan(host_pages: tuple[tuple[int, int], ...]) -> SimpleNamespace:
-    residency = (RequestResidencyMap("mixed", host_pages, ((HOT_BLOCK,),)),) if host_pages else ()
+    changes: dict = {"host_pages": (), "leases": (), "staging": ()}
+    if host_pages:
+        changes = {
+            "host_pages": tuple(HostPageUpdate("mixed", page, host) for page, host in host_pages),
+            "leases": (HotLeaseUpdate("mixed", ((HOT_BLOCK,),)),),
+            "staging": (StepStaging("mixed", BLOCK, ((STAGING_BLOCK,),)),),
+        }
     return SimpleNamespace(
-        hisparse_plan=HiSparseStepPlan(HISPARSE_PLAN_VERSION, (0,), (), (), (), residency),
+        hisparse_plan=HiSparseStepPlan(HISPARSE_PLAN_VERSION, (0,), (), (), (), **changes),
         finished_req_ids=set(),
         preempted_req_ids=None,
     )
@@ -131,10 +146,17 @@ def masked(rows: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
 
 def fake_convert(req_id, block_table, token_indices, BLOCK_SIZE=64, BLOCK_STRIDE_ROWS=None,
                  NUM_TOPK_TOKENS=None, return_valid_counts=False, **kwargs):
-    assert not kwargs.get("HAS_PREFILL_WORKSPACE")
+    """Upstream's Triton conversion, in torch (the GPU seam)."""
     rows = dsa_torch.positions_to_slots(token_indices, req_id, block_table, BLOCK_SIZE, BLOCK_STRIDE_ROWS)
     rows = rows.to(torch.int32)
     return (rows, (rows >= 0).sum(-1, dtype=torch.int32)) if return_valid_counts else rows
+
+
+@pytest.fixture(autouse=True)
+def torch_index_conversion(monkeypatch):
+    from vllm.v1.attention.backends.mla import sparse_utils
+
+    monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index", fake_convert)
 
 
 def flashmla(monkeypatch, case: Case, calls: KernelCalls):
@@ -161,7 +183,6 @@ def flashmla(monkeypatch, case: Case, calls: KernelCalls):
     def concat_mla_q(ql_nope, q_pe, out):
         out[:, : ql_nope.shape[1]] = torch.cat([ql_nope, q_pe], dim=-1)
 
-    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", fake_convert)
     monkeypatch.setattr(backend, "flash_mla_sparse_fwd", sparse_fwd)
     monkeypatch.setattr(backend, "flash_mla_with_kvcache", with_kvcache)
     monkeypatch.setattr(backend, "get_mla_metadata", lambda *a, **k: (object(), None))
@@ -208,7 +229,6 @@ def flashinfer(monkeypatch, case: Case, calls: KernelCalls):
     package.decode = decode
     monkeypatch.setitem(sys.modules, "flashinfer", package)
     monkeypatch.setitem(sys.modules, "flashinfer.decode", decode)
-    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", fake_convert)
     impl = backend.FlashInferMLASparseImpl.__new__(backend.FlashInferMLASparseImpl)
     impl.topk_indices_buffer = case.positions
     impl.dcp_world_size = 1
@@ -242,7 +262,6 @@ def flashattn(monkeypatch, case: Case, calls: KernelCalls):
     monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn.flash_attn_interface", interface)
     monkeypatch.delitem(sys.modules, name, raising=False)
     backend = importlib.import_module(name)
-    monkeypatch.setattr(backend, "triton_convert_req_index_to_global_index", fake_convert)
     impl = backend.FlashAttnMLASparseImpl.__new__(backend.FlashAttnMLASparseImpl)
     impl.topk_indices_buffer = case.positions
     impl.dcp_world_size = 1
@@ -263,6 +282,8 @@ BACKENDS = {
 @pytest.fixture(autouse=True)
 def no_active_worker(monkeypatch):
     monkeypatch.setattr(hisparse_resolution, "_active", None)
+    yield
+    assert sparse_mla._resolving is None, "a resolving layer outlived its forward_mqa"
 
 
 def backend(name: str, monkeypatch):
@@ -278,7 +299,7 @@ LAYER_HANDLE = SimpleNamespace(layer_name=LAYER, _q_scale_float=1.0, _k_scale_fl
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, monkeypatch):
+def test_cuda_backend_with_host_pages_attends_once_like_the_all_resident_run(name, monkeypatch):
     case, calls, impl, extra = backend(name, monkeypatch)
     assert impl_resolves(impl)
     layer = LAYER_HANDLE
@@ -299,11 +320,10 @@ def test_cuda_backend_with_host_pages_attends_like_the_all_resident_run(name, mo
 
     assert lse is None
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-2)
-    # The whole batch once, then one call per token of the request with host pages.
-    assert calls.count == 1 + REQ_ID_PER_TOKEN.count(1)
-    assert report.hisparse_rows_loaded > 0 and report.hisparse_rows_hit > 0
-    hot_rows = set(range(HOT_BLOCK * 2 * BLOCK, HOT_BLOCK * 2 * BLOCK + BLOCK))
-    assert worker.resolution._hot[LAYER].state.rows[0].tolist() == sorted(hot_rows)
+    assert calls.count == 1, "one attention kernel call for the whole batch, no re-attention"
+    counters = report.hisparse_counters
+    assert counters["attention_calls"] == counters["resolver_calls"] == counters["resolution_plans"] == 1
+    assert counters["rows_loaded"] > BLOCK and counters["rows_staged"] > 0, "more host rows than hot slots"
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
@@ -317,9 +337,26 @@ def test_cuda_backend_without_host_pages_runs_untouched(name, monkeypatch):
     report = worker.finish_step(SimpleNamespace())
 
     assert calls.count == 1
-    assert report.hisparse_rows_loaded == 0 and not worker.resolution._hot
+    counters = report.hisparse_counters
+    assert counters["attention_calls"] == 1
+    assert counters["resolver_calls"] == 0 and counters["rows_loaded"] == 0
 
 
-def test_kernel_indices_address_blocks_by_page_not_by_row():
-    rows = torch.tensor([[3 * 128 + 5, -1, 0 * 128 + 63]])
-    assert kernel_indices(rows, stride_rows=128, block_size=64).tolist() == [[3 * 64 + 5, -1, 63]]
+def test_flashmla_prefill_workspace_is_refused_inside_a_resolving_layer(monkeypatch):
+    case = Case("bf16")
+    _, worker = case.demote()
+    worker.begin_step(plan(((0, 0), (1, 1))))
+    resolution = hisparse_resolution.active_resolution()
+    assert resolution is not None and resolution.resolves(LAYER)
+    monkeypatch.setattr(sparse_mla, "_resolving", sparse_mla._ResolvingLayer(
+        resolution, LAYER, case.cache, BLOCK, sparse_mla.flat_row_view))
+    with pytest.raises(NotImplementedError, match="mixed-batch path"):
+        sparse_mla.convert_req_index_to_global_index(
+            torch.tensor(REQ_ID_PER_TOKEN, dtype=torch.int32),
+            torch.tensor(HISPARSE_TABLE, dtype=torch.int32),
+            case.positions,
+            BLOCK_SIZE=BLOCK,
+            HAS_PREFILL_WORKSPACE=True,
+        )
+    monkeypatch.setattr(sparse_mla, "_resolving", None)
+    worker.finish_step(SimpleNamespace())

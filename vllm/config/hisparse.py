@@ -73,7 +73,8 @@ class HiSparseConfig:
 
     device_buffer_size: int | None = None
     """Hot-buffer rows per request on the GPU. Default: 2 x the model's index
-    top-K. Must be at least the model's index top-K."""
+    top-K, or (1 + n) x top-K with n speculative tokens per step. Must be at least
+    the model's index top-K."""
 
     mode: HiSparseMode = "hybrid"
     """"hybrid": offload only under KV-cache pressure. "always": keep only each
@@ -201,6 +202,18 @@ def host_pool_pages(vllm_config: VllmConfig) -> int:
     return hisparse.host_pool_bytes // (sparse_mla_page_bytes(vllm_config) * replicas)
 
 
+def default_hot_buffer_rows(vllm_config: VllmConfig, topk: int) -> int:
+    """2 x top-K rows, or (1 + n) x top-K when each decode step verifies n draft tokens.
+
+    A step resolves all its query tokens at once, and a decode step of n drafts
+    selects up to (n + 1) x top-K rows: a hot buffer that holds them needs no
+    staging rows on decode steps.
+    """
+    speculative = vllm_config.speculative_config
+    drafts = (speculative.num_speculative_tokens or 0) if speculative is not None else 0
+    return max(DEFAULT_HOT_BUFFER_TOPK_MULTIPLE, 1 + drafts) * topk
+
+
 def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     """Start-up checks that need the model; resolves the hot-buffer default."""
     hisparse = vllm_config.attention_config.hisparse_config
@@ -214,13 +227,14 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             "HiSparse needs an index top-K (GLM-5.x, DeepSeek-V3.2). Remove hisparse_config "
             "from --attention-config for this model"
         )
+    default = default_hot_buffer_rows(vllm_config, topk)
     if hisparse.device_buffer_size is None:
-        hisparse.device_buffer_size = DEFAULT_HOT_BUFFER_TOPK_MULTIPLE * topk
+        hisparse.device_buffer_size = default
     elif hisparse.device_buffer_size < topk:
         raise ValueError(
             f"hisparse_config.device_buffer_size is {hisparse.device_buffer_size} rows but "
             f"{model} selects index_topk={topk} rows per step; set device_buffer_size >= "
-            f"{topk} or leave it unset for the default {DEFAULT_HOT_BUFFER_TOPK_MULTIPLE * topk}"
+            f"{topk} or leave it unset for the default {default}"
         )
     page_bytes = sparse_mla_page_bytes(vllm_config) * vllm_config.parallel_config.tensor_parallel_size
     if host_pool_pages(vllm_config) < 1:

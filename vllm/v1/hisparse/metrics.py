@@ -34,6 +34,10 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
     ),
     "vllm:hisparse_host_pool_used_pages": ("Host pool pages referenced by requests.", "host_pages_used"),
     "vllm:hisparse_host_pool_pages": ("Host pool capacity in pages.", "host_pages_total"),
+    "vllm:hisparse_max_resolver_calls_per_layer_step": (
+        "The most resolver calls one sparse-MLA layer made in one step so far (1: step-granular).",
+        "max_resolver_calls_per_layer_step",
+    ),
 }
 
 # Counter name -> (documentation, cumulative stats key).
@@ -55,6 +59,36 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:hisparse_rows_hit": (
         "Selected rows of host pages the resolver found in a hot buffer (per sparse-MLA layer).",
         "rows_hit",
+    ),
+    "vllm:hisparse_rows_staged": (
+        "Rows loaded into one step's staging rows beyond a hot buffer (per sparse-MLA layer).",
+        "rows_staged",
+    ),
+    "vllm:hisparse_resolution_plans": (
+        "Resolution plans made: one per top-K selection (shared by the layers that reuse it) per step.",
+        "resolution_plans",
+    ),
+    "vllm:hisparse_resolver_calls": (
+        "Resolver calls: one per resolved sparse-MLA layer per step.",
+        "resolver_calls",
+    ),
+    "vllm:hisparse_attention_calls": (
+        "Attention kernel calls of HiSparse-managed layers (one per layer per step).",
+        "attention_calls",
+    ),
+    "vllm:hisparse_forward_steps": ("Steps whose forward ran the HiSparse-managed layers.", "forward_steps"),
+    "vllm:hisparse_resolving_steps": ("Steps whose batch had a request with host pages.", "resolving_steps"),
+    "vllm:hisparse_device_reads": (
+        "Reads of device-produced values by the worker (once per step, after the step's work).",
+        "device_reads",
+    ),
+    "vllm:hisparse_staging_rows_leased": (
+        "Rows per sparse-MLA layer leased for one step to stage selections beyond hot buffers.",
+        "staging_rows_leased",
+    ),
+    "vllm:hisparse_chunks_shortened": (
+        "Chunks shortened because the pool could not spare their staging rows.",
+        "chunks_shortened",
     ),
     "vllm:hisparse_hot_leases": ("Hot buffers leased to requests.", "hot_leases"),
     "vllm:hisparse_preemptions_avoided": (

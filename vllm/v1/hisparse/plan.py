@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The messages Hybrid HiSparse's scheduler sends its workers, one plan per step.
+"""The messages between Hybrid HiSparse's scheduler and its workers.
 
 Owns the types that cross from the scheduler process to the workers in
-`SchedulerOutput.hisparse_plan`: frozen dataclasses of plain ints, strings and
-tuples, so they pickle cheaply and mean the same on both sides. The version
-number changes whenever a field changes meaning; workers refuse other versions.
+`SchedulerOutput.hisparse_plan`, one plan per step, and the names of the
+counters that come back in `ModelRunnerOutput.hisparse_counters`. The plan's
+types are frozen dataclasses of plain ints, strings and tuples, so they pickle
+cheaply and mean the same on both sides. The version number changes whenever
+a field changes meaning; workers refuse other versions.
 
 A leaf: it imports nothing from HiSparse and holds no behaviour.
 """
@@ -14,7 +16,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 2
+HISPARSE_PLAN_VERSION = 3
+
+# What the workers count on the data path, reported per step in
+# ModelRunnerOutput.hisparse_counters. On the device: distinct rows loaded from the
+# host pool, found in a hot buffer, and staged beyond it (each summed over layers).
+DEVICE_COUNTERS = ("rows_loaded", "rows_hit", "rows_staged")
+# On the host: resolution plans made (one per top-K selection and step), resolver
+# calls (one per resolved layer and step), attention kernel calls of managed layers,
+# steps whose forward ran those layers, steps that resolved, and the most resolver
+# calls one layer made in one step.
+HOST_COUNTERS = (
+    "resolution_plans",
+    "resolver_calls",
+    "attention_calls",
+    "forward_steps",
+    "resolving_steps",
+    "max_resolver_calls_per_layer_step",
+)
+# All of them, and the host's reads of device-produced values. Names starting with
+# "max_" are maxima; the rest add up over steps.
+WORKER_COUNTERS = (*DEVICE_COUNTERS, *HOST_COUNTERS, "device_reads")
 
 
 @dataclass(frozen=True)
@@ -48,17 +70,43 @@ class PageRestore:
 
 
 @dataclass(frozen=True)
-class RequestResidencyMap:
-    """What the resolver needs for one request that is not FULL."""
+class HostPageUpdate:
+    """A page of a request that is now only in the host pool (demoted, or a host prefix hit).
+
+    HOST pages never turn resident again, so the worker's map of them only grows
+    until the request ends (finishes, is aborted or preempted).
+    """
 
     request_id: str
-    host_pages: tuple[tuple[int, int], ...]  # (page index, host page) of every HOST page
-    hot_block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, its hot-buffer blocks
+    page_index: int
+    host_page: int
+
+
+@dataclass(frozen=True)
+class HotLeaseUpdate:
+    """A request's new hot lease: its hot buffer starts empty in these blocks."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, in the plan's group order
+
+
+@dataclass(frozen=True)
+class StepStaging:
+    """Rows a request may use this step only, for misses beyond its hot buffer."""
+
+    request_id: str
+    num_slots: int  # rows per sparse-MLA layer: the blocks' pages, whole
+    block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, in the plan's group order
 
 
 @dataclass(frozen=True)
 class HiSparseStepPlan:
-    """One step's residency work for the workers. Plain ints, strings and tuples."""
+    """One step's residency work for the workers. Plain ints, strings and tuples.
+
+    Residency crosses as deltas: the workers keep every request's HOST pages and
+    lease from earlier plans, so a plan's size follows what changed in the step,
+    not the pages held.
+    """
 
     version: int
     mla_group_ids: tuple[int, ...]
@@ -68,5 +116,9 @@ class HiSparseStepPlan:
     block_table_updates: tuple[BlockTableUpdate, ...]
     # Host -> device, before this step's forward.
     restores: tuple[PageRestore, ...]
-    # Only requests with HOST pages; empty means every request is FULL (the fast path).
-    residency: tuple[RequestResidencyMap, ...]
+    # Pages that became HOST since the last plan.
+    host_pages: tuple[HostPageUpdate, ...]
+    # Hot leases taken since the last plan.
+    leases: tuple[HotLeaseUpdate, ...]
+    # This step's staging rows.
+    staging: tuple[StepStaging, ...]

@@ -39,7 +39,9 @@ It never touches tensors, the scheduler's queues or the worker.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import math
 from collections.abc import Hashable, Sequence, Set
 from dataclasses import dataclass, field
@@ -105,6 +107,9 @@ class Page:
 
 @dataclass
 class RequestResidency:
+    """One request's pages, with the counts and index lists the policy reads kept up to date
+    as pages change state, so no decision rescans the pages a request holds."""
+
     request_id: str
     pages: list[Page] = field(default_factory=list)
     num_complete_pages: int = 0  # pages whose tokens are all computed (and cached)
@@ -113,17 +118,32 @@ class RequestResidency:
     block_hashes: Sequence[Hashable] = ()
     # HOST pages never turn resident again, so a count keeps FULL an O(1) check.
     num_host_pages: int = 0
+    num_both_pages: int = 0
+    # HOST pages among the demotable ones (NONE when that is all of them).
+    num_host_demotable: int = 0
+    # BOTH pages among the demotable ones, ascending: what relief frees, oldest first.
+    both_demotable: list[int] = field(default_factory=list)
+    # Complete DEVICE pages with no copy in flight: proactive copy candidates.
+    uncopied: dict[int, None] = field(default_factory=dict)
+    # Pages whose device->host copy is in flight.
+    copying: dict[int, None] = field(default_factory=dict)
+    # Set by the scheduler: the request still has prompt tokens to compute.
+    prefilling: bool = False
 
     @property
     def state(self) -> RequestState:
         if not self.num_host_pages:
             return RequestState.FULL
-        if all(p.state is PageState.HOST for p in self.pages[: self.num_demotable_pages]):
+        if self.num_host_demotable == self.num_demotable_pages:
             return RequestState.NONE
         return RequestState.MIXED
 
     def count(self, state: PageState) -> int:
-        return sum(p.state is state for p in self.pages)
+        if state is PageState.HOST:
+            return self.num_host_pages
+        if state is PageState.BOTH:
+            return self.num_both_pages
+        return len(self.pages) - self.num_host_pages - self.num_both_pages
 
     @property
     def num_demotable_pages(self) -> int:
@@ -149,6 +169,13 @@ class ResidencyCounters:
 
 
 class ResidencyManager:
+    """Per-page residency of every running request, and the policy that moves pages.
+
+    Every decision works from counts and index lists kept up to date as pages
+    change state (`RequestResidency`, `_marked`, `_page_counts`), so the work of
+    a step follows what changed in it, not the pages the requests hold.
+    """
+
     def __init__(
         self,
         allocator: BlockAllocator,
@@ -176,6 +203,15 @@ class ResidencyManager:
         # Host pages held for restores into requests' blocks, until the pages are appended.
         self._restoring: dict[str, list[int]] = {}
         self.counters = ResidencyCounters()
+        # What changed since the last `drain_changes`, for the workers' maps: pages that
+        # turned HOST (request, page index, host page) and leases taken (request, blocks).
+        self._new_host_pages: list[tuple[str, int, int]] = []
+        self._new_leases: list[tuple[str, list[int]]] = []
+        # DEVICE pages marked for copy-then-free, in marking order.
+        self._marked: dict[tuple[str, int], None] = {}
+        # Requests with demotable BOTH pages (mode "always" demotes them at once).
+        self._settled: dict[str, None] = {}
+        self._page_counts = dict.fromkeys(PageState, 0)
 
     # -- request lifecycle ---------------------------------------------------
 
@@ -213,10 +249,16 @@ class ResidencyManager:
                 raise ValueError(f"a hot lease is {self.hot_lease_blocks} blocks, got {len(hot_blocks)}")
             req.hot_blocks = list(hot_blocks)
             self.counters.hot_leases += 1
+            self._new_leases.append((request_id, req.hot_blocks))
+        demotable = req.num_demotable_pages
         for page in host_pages:
             self.host_pool.retain(page)
+            index = len(req.pages)
+            self._new_host_pages.append((request_id, index, page))
             req.pages.append(Page(block_ids=None, host_page=page))
+            req.num_host_demotable += index < demotable
         req.num_host_pages += len(host_pages)
+        self._page_counts[PageState.HOST] += len(host_pages)
         self.counters.host_prefix_pages_reused += len(host_pages)
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[int]]) -> None:
@@ -224,7 +266,13 @@ class ResidencyManager:
         for block_ids in pages:
             if len(block_ids) != self.blocks_per_page:
                 raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
-        self.requests[request_id].pages.extend(Page(block_ids=tuple(b)) for b in pages)
+        req = self.requests[request_id]
+        for block_ids in pages:
+            index = len(req.pages)
+            req.pages.append(Page(block_ids=tuple(block_ids)))
+            if index < req.num_complete_pages:
+                req.uncopied[index] = None
+        self._page_counts[PageState.DEVICE] += len(pages)
 
     def reserve_restore(self, request_id: str, host_page: int) -> None:
         """Hold `host_page` for a page about to be restored into a request's new blocks.
@@ -244,12 +292,38 @@ class ResidencyManager:
         reserved.remove(host_page)  # ValueError if it was never reserved
         if not reserved:
             self._restoring.pop(request_id, None)
-        self.requests[request_id].pages.append(Page(block_ids=tuple(block_ids), host_page=host_page))
+        req = self.requests[request_id]
+        req.pages.append(Page(block_ids=tuple(block_ids), host_page=host_page))
+        req.num_both_pages += 1
+        self._page_counts[PageState.BOTH] += 1
+        if len(req.pages) - 1 < req.num_demotable_pages:
+            self._add_settled(req, len(req.pages) - 1)
 
     def advance(self, request_id: str, num_stable_tokens: int) -> None:
         """Tokens computed and committed: pages wholly below this may be copied and demoted."""
         req = self.requests[request_id]
+        complete_before, demotable_before = req.num_complete_pages, req.num_demotable_pages
         req.num_complete_pages = min(len(req.pages), num_stable_tokens // self.block_size)
+        for index in range(complete_before, req.num_complete_pages):  # newly complete
+            page = req.pages[index]
+            if page.state is PageState.DEVICE and not page.copying and not page.demote_when_copied:
+                req.uncopied[index] = None
+        for index in range(req.num_complete_pages, complete_before):  # rejected speculative tokens
+            req.uncopied.pop(index, None)
+        for index in range(demotable_before, req.num_demotable_pages):  # newly demotable
+            state = req.pages[index].state
+            if state is PageState.HOST:
+                req.num_host_demotable += 1
+            elif state is PageState.BOTH:
+                self._add_settled(req, index)
+        for index in range(req.num_demotable_pages, demotable_before):
+            state = req.pages[index].state
+            if state is PageState.HOST:
+                req.num_host_demotable -= 1
+            elif state is PageState.BOTH:
+                req.both_demotable.remove(index)
+        if not req.both_demotable:
+            self._settled.pop(request_id, None)
 
     def finish(self, request_id: str) -> None:
         """Return the leases and host references of a finished, aborted or preempted request.
@@ -262,7 +336,14 @@ class ResidencyManager:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._settled.pop(request_id, None)
+        if req.num_host_pages or req.hot_blocks:
+            self._new_host_pages = [c for c in self._new_host_pages if c[0] != request_id]
+            self._new_leases = [c for c in self._new_leases if c[0] != request_id]
         for index, page in enumerate(req.pages):
+            self._page_counts[page.state] -= 1
+            if page.demote_when_copied:
+                self._marked.pop((request_id, index), None)
             if page.copying:
                 assert page.block_ids is not None and page.host_page is not None
                 self.allocator.hold(page.block_ids)
@@ -271,46 +352,61 @@ class ResidencyManager:
                 self.host_pool.release(page.host_page)
         self.allocator.give_back(req.hot_blocks)
 
+    def set_prefilling(self, request_id: str, prefilling: bool) -> None:
+        """Whether the request still has prompt tokens to compute (relief prefers other victims)."""
+        self.requests[request_id].prefilling = prefilling
+
+    def drain_changes(self) -> tuple[list[tuple[str, int, int]], list[tuple[str, list[int]]]]:
+        """Pages that turned HOST and leases taken since the last call, for the workers' maps."""
+        changes = self._new_host_pages, self._new_leases
+        self._new_host_pages, self._new_leases = [], []
+        return changes
+
     # -- copies --------------------------------------------------------------
 
-    def plan_copies(self) -> list[PageCopy]:
+    def plan_copies(self, frozen: Set[str] = frozenset()) -> list[PageCopy]:
         """Device->host copies for this step's post-forward launch, bounded per step.
 
         Pages marked for demotion go first, then (mode "always" or proactive
         copy) every completed page. MIXED and NONE requests get proactive copies
         too: a later request's host prefix hit, or a KV connector hit, needs every
-        page of the prefix in the host pool. Mode
-        "always" also demotes, without pressure, every copied page that has left
-        the resident tail.
+        page of the prefix in the host pool. Mode "always" also demotes, without
+        pressure, every copied page that has left the resident tail, except for
+        the `frozen` requests' (see `relieve_pressure`).
         """
         if self.mode == "always":
-            for req in list(self.requests.values()):
-                settled = [i for i, p in enumerate(req.pages[: req.num_demotable_pages])
-                           if p.state is PageState.BOTH]
-                if settled:
-                    self._demote(req, settled)
-        wanted: list[tuple[RequestResidency, int]] = []
-        for req in self.requests.values():
-            eager = self.mode == "always" or self.proactive_copy
-            for index, page in enumerate(req.pages[: req.num_complete_pages]):
-                if page.state is PageState.DEVICE and not page.copying:
-                    if page.demote_when_copied or eager:
-                        wanted.append((req, index))
-        if self.mode == "always":
-            for req, index in wanted:
-                if index < req.num_demotable_pages:
-                    req.pages[index].demote_when_copied = True
-        wanted.sort(key=lambda item: not item[0].pages[item[1]].demote_when_copied)
+            for request_id in list(self._settled):
+                if request_id not in frozen:
+                    req = self.requests[request_id]
+                    self._demote(req, list(req.both_demotable))
+        wanted: list[tuple[str, int]] = []
+        for request_id, index in self._marked:
+            if len(wanted) >= self.max_copies_per_step:
+                break
+            page = self.requests[request_id].pages[index]
+            if page.state is PageState.DEVICE and not page.copying:  # a BOTH one waits for its lease
+                wanted.append((request_id, index))
+        if self.mode == "always" or self.proactive_copy:
+            for req in self.requests.values():
+                if len(wanted) >= self.max_copies_per_step:
+                    break
+                for index in itertools.islice(req.uncopied, self.max_copies_per_step - len(wanted)):
+                    wanted.append((req.request_id, index))
         copies: list[PageCopy] = []
-        for req, index in wanted[: self.max_copies_per_step]:
+        for request_id, index in wanted[: self.max_copies_per_step]:
             try:
                 host_page = self.host_pool.allocate()
             except HostPoolExhausted:
                 break
+            req = self.requests[request_id]
             page = req.pages[index]
-            assert page.block_ids is not None
+            assert page.block_ids is not None and page.state is PageState.DEVICE and not page.copying
             page.host_page, page.copying = host_page, True
-            copies.append(PageCopy(req.request_id, index, page.block_ids, host_page))
+            req.uncopied.pop(index, None)
+            req.copying[index] = None
+            if self.mode == "always" and index < req.num_demotable_pages and not page.demote_when_copied:
+                self._mark(req, index)
+            copies.append(PageCopy(request_id, index, page.block_ids, host_page))
         return copies
 
     def complete_copies(self, copies: Sequence[PageCopy]) -> int:
@@ -333,6 +429,12 @@ class ResidencyManager:
             page = req.pages[copy.page_index]
             assert page.copying and page.block_ids == copy.block_ids and page.host_page == copy.host_page
             page.copying = False
+            req.copying.pop(copy.page_index, None)
+            req.num_both_pages += 1
+            self._page_counts[PageState.DEVICE] -= 1
+            self._page_counts[PageState.BOTH] += 1
+            if copy.page_index < req.num_demotable_pages:
+                self._add_settled(req, copy.page_index)
             self.counters.pages_copied_to_host += 1
             block_hash = req.page_hash(copy.page_index)
             if block_hash is not None:
@@ -353,49 +455,54 @@ class ResidencyManager:
                 self.host_pool.release(host_page)
                 self.allocator.give_back(block_ids)
                 continue
-            page = self.requests[copy.request_id].pages[copy.page_index]
+            req = self.requests[copy.request_id]
+            page = req.pages[copy.page_index]
             assert page.copying and page.host_page == copy.host_page
             self.host_pool.release(copy.host_page)
             page.host_page, page.copying = None, False
+            req.copying.pop(copy.page_index, None)
+            if copy.page_index < req.num_complete_pages and not page.demote_when_copied:
+                req.uncopied[copy.page_index] = None
 
     # -- pressure ------------------------------------------------------------
 
-    def demotable_blocks(self) -> int:
-        """Blocks that pressure relief could free right now (BOTH pages), ignoring lease costs."""
-        return self.blocks_per_page * sum(
-            p.state is PageState.BOTH
-            for req in self.requests.values()
-            for p in req.pages[: req.num_demotable_pages]
-        )
-
     def relieve_pressure(
-        self, blocks_needed: int, protect: str | None = None, protected_blocks: Set[int] = frozenset()
+        self,
+        blocks_needed: int,
+        protect: str | None = None,
+        protected_blocks: Set[int] = frozenset(),
+        frozen: Set[str] = frozenset(),
     ) -> int:
         """Free device blocks by demoting pages, before the scheduler preempts anyone.
 
         Frees BOTH pages at once (their host copies are durable), cheapest first:
-        requests with the most BOTH pages, oldest pages first. Never the tail
-        (the page being written and the last RESIDENT_TAIL_PAGES complete ones),
-        never `protect`'s pages, never a page holding one of `protected_blocks`.
-        A request's first demotion costs it a hot lease, so it is demoted only
-        if that frees more than the lease takes. If that is not enough, marks
-        completed DEVICE pages for copy-then-free in the next `plan_copies`.
-        Returns blocks freed now, net of leases taken.
+        requests past their prompt before those still prefilling (a prefill chunk
+        that reads host rows needs staging rows), then those with the most
+        demotable BOTH pages, oldest pages first. Never the tail (the page being
+        written and the last RESIDENT_TAIL_PAGES complete ones), never
+        `protect`'s or a `frozen` request's pages (a chunk already scheduled this
+        step whose staging counted its HOST pages), never a page holding one of
+        `protected_blocks`. A request's first demotion costs it a hot lease, so
+        it is demoted only if that frees more than the lease takes. If that is
+        not enough, marks completed DEVICE pages for copy-then-free in the next
+        `plan_copies`. Returns blocks freed now, net of leases taken.
         """
         freed_total = 0
         victims = sorted(
-            (r for r in self.requests.values() if r.request_id != protect),
-            key=lambda r: -r.count(PageState.BOTH),
+            (rid for rid in self._settled if rid != protect and rid not in frozen),
+            key=lambda rid: (self.requests[rid].prefilling, -len(self.requests[rid].both_demotable)),
         )
-        for req in victims:
+        for request_id in victims:
             if freed_total >= blocks_needed:
                 break
-            both = [i for i, p in enumerate(req.pages[: req.num_demotable_pages])
-                    if p.state is PageState.BOTH
-                    and not (protected_blocks and protected_blocks.intersection(p.block_ids or ()))]
+            req = self.requests[request_id]
             lease_cost = 0 if req.hot_blocks else self.hot_lease_blocks
             pages_wanted = math.ceil((blocks_needed - freed_total + lease_cost) / self.blocks_per_page)
-            take = both[: max(0, pages_wanted)]
+            take = list(itertools.islice(
+                (i for i in req.both_demotable
+                 if not (protected_blocks and protected_blocks.intersection(req.pages[i].block_ids or ()))),
+                max(0, pages_wanted),
+            ))
             if len(take) * self.blocks_per_page <= lease_cost:
                 continue
             freed_total += self._demote(req, take)
@@ -406,23 +513,35 @@ class ResidencyManager:
 
     def relief_pending(self) -> bool:
         """Whether pages marked for copy-then-free will free blocks once their copies land."""
-        can_copy = self.host_pool.num_available > 0
-        return any(
-            page.demote_when_copied and page.block_ids is not None and (page.copying or can_copy)
-            for req in self.requests.values()
-            for page in req.pages
-        )
+        if not self._marked:
+            return False
+        if self.host_pool.num_available > 0:
+            return True
+        return any(self.requests[rid].pages[i].copying for rid, i in self._marked)
 
     def _mark_for_demotion(self, num_pages: int, protect: str | None) -> None:
         for req in sorted(self.requests.values(), key=lambda r: -r.num_complete_pages):
+            if num_pages <= 0:
+                return
             if req.request_id == protect:
                 continue
-            for page in req.pages[: req.num_demotable_pages]:
+            demotable = req.num_demotable_pages
+            candidates = sorted(i for i in (*req.copying, *req.uncopied) if i < demotable)
+            for index in candidates:
                 if num_pages <= 0:
                     return
-                if page.state is PageState.DEVICE and not page.demote_when_copied:
-                    page.demote_when_copied = True
+                if not req.pages[index].demote_when_copied:
+                    self._mark(req, index)
                     num_pages -= 1
+
+    def _mark(self, req: RequestResidency, index: int) -> None:
+        req.pages[index].demote_when_copied = True
+        req.uncopied.pop(index, None)
+        self._marked[(req.request_id, index)] = None
+
+    def _add_settled(self, req: RequestResidency, index: int) -> None:
+        bisect.insort(req.both_demotable, index)
+        self._settled[req.request_id] = None
 
     def _demote(self, req: RequestResidency, indices: Sequence[int]) -> int:
         """BOTH -> HOST for these pages; returns blocks returned to the pool, net of a new lease.
@@ -431,6 +550,8 @@ class ResidencyManager:
         demotion frees (topped up from the pool); if even that cannot cover the
         lease, nothing is demoted and the pages stay BOTH, still marked.
         """
+        if not indices:
+            return 0
         if not req.hot_blocks:
             freeable = sum(
                 self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices
@@ -438,19 +559,32 @@ class ResidencyManager:
             if freeable + self.allocator.num_free_blocks() < self.hot_lease_blocks:
                 return 0
         freed = 0
+        demotable = req.num_demotable_pages
         for index in indices:
             page = req.pages[index]
             assert page.state is PageState.BOTH, "a page leaves the GPU only once its copy is durable"
             assert page.block_ids is not None
             freed += self.allocator.drop_page(req.request_id, index, page.block_ids)
             page.block_ids = None
-            page.demote_when_copied = False
+            if page.demote_when_copied:
+                page.demote_when_copied = False
+                self._marked.pop((req.request_id, index), None)
+            if index < demotable:
+                req.both_demotable.remove(index)
+                req.num_host_demotable += 1
         req.num_host_pages += len(indices)
+        req.num_both_pages -= len(indices)
+        self._page_counts[PageState.BOTH] -= len(indices)
+        self._page_counts[PageState.HOST] += len(indices)
+        if not req.both_demotable:
+            self._settled.pop(req.request_id, None)
         self.counters.pages_demoted += len(indices)
+        self._new_host_pages.extend((req.request_id, i, req.pages[i].host_page) for i in indices)
         if not req.hot_blocks:
             req.hot_blocks = self.allocator.take(self.hot_lease_blocks)
             freed -= self.hot_lease_blocks
             self.counters.hot_leases += 1
+            self._new_leases.append((req.request_id, req.hot_blocks))
         return freed
 
     # -- observation ---------------------------------------------------------
@@ -462,11 +596,7 @@ class ResidencyManager:
         return out
 
     def pages_by_state(self) -> dict[PageState, int]:
-        out = dict.fromkeys(PageState, 0)
-        for req in self.requests.values():
-            for page in req.pages:
-                out[page.state] += 1
-        return out
+        return dict(self._page_counts)
 
     def leased_blocks(self) -> list[int]:
         return [b for req in self.requests.values() for b in req.hot_blocks]
@@ -475,12 +605,29 @@ class ResidencyManager:
         return [b for blocks, _, _ in self._orphans.values() for b in blocks]
 
     def check(self) -> None:
-        """Assert the invariants in the module docstring."""
+        """Assert the invariants in the module docstring, and that every kept count and
+        index list equals what the pages say."""
         leased = self.leased_blocks()
         assert len(leased) == len(set(leased)), "a hot-lease block is leased twice"
         host_refs: dict[int, int] = {}
+        page_counts = dict.fromkeys(PageState, 0)
+        marked = set()
         for req in self.requests.values():
-            assert req.num_host_pages == req.count(PageState.HOST)
+            states = [p.state for p in req.pages]
+            demotable = req.num_demotable_pages
+            assert req.num_host_pages == states.count(PageState.HOST)
+            assert req.num_both_pages == states.count(PageState.BOTH)
+            assert req.num_host_demotable == states[:demotable].count(PageState.HOST)
+            assert req.both_demotable == [i for i in range(demotable) if states[i] is PageState.BOTH]
+            assert (req.request_id in self._settled) == bool(req.both_demotable)
+            assert set(req.copying) == {i for i, p in enumerate(req.pages) if p.copying}
+            assert set(req.uncopied) == {
+                i for i, p in enumerate(req.pages[: req.num_complete_pages])
+                if p.state is PageState.DEVICE and not p.copying and not p.demote_when_copied
+            }
+            marked |= {(req.request_id, i) for i, p in enumerate(req.pages) if p.demote_when_copied}
+            for state in states:
+                page_counts[state] += 1
             assert len(req.hot_blocks) in (0, self.hot_lease_blocks)
             if req.state is not RequestState.FULL:
                 assert req.hot_blocks, "a request with HOST pages has a hot buffer"
@@ -489,6 +636,8 @@ class ResidencyManager:
                     assert page.host_page is not None and not page.copying
                 if page.host_page is not None:
                     host_refs[page.host_page] = host_refs.get(page.host_page, 0) + 1
+        assert page_counts == self._page_counts
+        assert marked == set(self._marked)
         for _, host_page, _ in self._orphans.values():
             host_refs[host_page] = host_refs.get(host_page, 0) + 1
         for host_page in (page for pages in self._restoring.values() for page in pages):

@@ -1,269 +1,335 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Hybrid HiSparse resolution on the worker: the hot buffers and a step's resolved rows.
+"""Hybrid HiSparse resolution on the worker: hot buffers, and each step's resolved rows.
 
 Owns, per worker:
-- the step's residency view for the sparse-MLA backends (`StepResidency`): per
-  request its HOST pages and hot-buffer rows;
-- per layer, the hot state the resolver keeps across steps for the requests
-  with HOST pages (slot rows, held positions, LRU stamps);
-- `attend`: a layer's attention with those requests' tokens resolved, for the
-  backends wrapped by `vllm/v1/hisparse/sparse_mla.py`, and the rows-loaded
-  and hot-hit counters it keeps on the cache's device;
+- the residency maps the resolver reads, kept up to date from the plans'
+  deltas: per request its HOST pages (a row of `host_page_table`, page index ->
+  host page) and its hot lease (blocks per sparse-MLA group);
+- per top-K selection (a layer that runs its indexer, with the layers that
+  reuse its top-K, see `topk_owner_of_layer`), the hot state kept across steps
+  (held position and LRU stamp of every slot);
+- the step's staging rows (blocks the scheduler leased for this step only);
+- `resolve_rows`: the rows one sparse-MLA layer reads this step. The first
+  layer of a selection plans the step (`plan_resolution`, once for all query
+  tokens of all requests); every layer replays the plan over its own cache,
+  copying its misses from the host pool (`apply_resolution`);
+- counters (rows loaded, hot hits) and the error bits, kept as tensors on the
+  cache's device and read once per step by `end_step`;
 - which resolution, if any, is active in this process (`active_resolution`),
   and the marker a resolving backend carries (`impl_resolves`).
 
-It reads the host pool and writes hot-buffer rows of the KV cache through the
-resolver; it never copies pages, and never changes block tables.
+On a step where no scheduled request has HOST pages it does nothing: the
+backend's own conversion stands. It reads the host pool and writes hot and
+staging rows of the KV cache; it never copies pages and never changes block
+tables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from vllm.v1.hisparse.resolver import HotState, resolve_topk_slots
+from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HOST_COUNTERS, HostPageUpdate, HotLeaseUpdate, StepStaging
+from vllm.v1.hisparse.resolver import HotState, ResolutionPlan, apply_resolution, plan_resolution
 
 # The attribute a backend's resolving forward_mqa carries (see sparse_mla.py).
 RESOLVING_MARKER = "resolves_through_hisparse"
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-@dataclass
-class _LayerHot:
-    """One layer's hot state as of step `serial`: row m belongs to request `index` -> m."""
+def topk_owner_of_layer(layers: Iterable[str], indexer_layers: Iterable[str]) -> dict[str, int]:
+    """For each sparse-MLA layer, the decoder layer whose indexer computed its top-K.
 
-    serial: int
-    state: HotState
-    index: dict[str, int]
-    leases: list[tuple[tuple[int, ...], ...]]
+    A layer with its own indexer owns its selection; a layer without one reuses
+    the top-K buffer the nearest earlier indexer layer wrote (IndexCache:
+    `index_topk_freq`, `index_topk_pattern`). Layers with one owner share one
+    resolution plan per step.
+    """
+    with_indexer = sorted(_layer_index(name) for name in indexer_layers)
+    owners: dict[str, int] = {}
+    for name in layers:
+        index = _layer_index(name)
+        earlier = [i for i in with_indexer if i <= index]
+        owners[name] = earlier[-1] if earlier else index
+    return owners
 
 
-@dataclass
-class StepResidency:
-    """What the sparse-MLA backend needs this step, per request id."""
-
-    host_pages: dict[str, dict[int, int]] = field(default_factory=dict)  # page index -> host page
-    # Hot-lease blocks, one tuple per sparse-MLA group in the plan's group order.
-    hot_blocks: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+def _layer_index(name: str) -> int:
+    match = _LAYER_INDEX.search(name)
+    if match is None:
+        raise ValueError(f"cannot tell the decoder layer of KV cache layer {name!r}")
+    return int(match[1])
 
 
 class HiSparseResolution:
-    """The hot buffers of one worker's sparse-MLA layers and the step's view of residency."""
+    """The resolver state of one worker's sparse-MLA layers."""
 
     def __init__(
         self,
         runner: Any,
         group_of_layer: dict[str, int],
+        topk_owner: dict[str, int],
         block_size: int,
         hot_rows: int,
         host_pool: torch.Tensor,
+        device: torch.device,
+        max_pages: int,
+        capacity: int = 8,
     ) -> None:
-        """`group_of_layer`: the KV cache group of each managed layer, in host pool
-        order; `host_pool`: [layer, host page, block_size, width]."""
+        """`group_of_layer`: each managed layer's KV cache group, in host pool order;
+        `topk_owner`: see `topk_owner_of_layer`; `host_pool`: [layer, host page,
+        block_size, width]; `max_pages`: pages of the longest request."""
         self.runner = runner
         self.group_of_layer = dict(group_of_layer)
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layer_index = {name: i for i, name in enumerate(self.group_of_layer)}
+        self.topk_owner = dict(topk_owner)
         self.block_size = block_size
         self.hot_rows = hot_rows
         self.host_pool = host_pool
-        self.step = StepResidency()
-        self._hot: dict[str, _LayerHot] = {}  # layer -> its hot state
+        self.device = device
+        self.max_pages = max_pages
+        # Request -> its row of the tables below (rows of ended requests are reused).
+        self._row: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self.host_page_table = torch.full((0, max_pages), -1, dtype=torch.int64, device=device)
+        # Per sparse-MLA group: the first block of each page of every request's hot lease.
+        self._lease_blocks = {g: torch.zeros((0, self._lease_pages()), dtype=torch.int64, device=device)
+                              for g in self.mla_group_ids}
+        self._hot: dict[int, HotState] = {}  # top-K owner -> hot state, one row per table row
+        self._with_host_pages: set[str] = set()
+        self._grow(capacity)
         self._stamp = 0
-        # Per step: the requests with HOST pages (rows of every layer's hot state)
-        # and what every layer of the step shares.
-        self._serial = 0
-        self._mixed: list[str] = []
-        self._substep_cache: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._page_table_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        self._host_table_cache: dict[int, torch.Tensor] = {}
-        # Counted on the cache's device, read once per step.
-        self._rows_loaded = torch.zeros((), dtype=torch.long, device=host_pool.device)
-        self._rows_hit = torch.zeros((), dtype=torch.long, device=host_pool.device)
+        self._staging: dict[str, StepStaging] = {}
+        self._step_state: _Step | None = None
+        # Counted on the device, read once per step by the worker.
+        self._device_counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64, device=device)
+        self.error = torch.zeros((), dtype=torch.int64, device=device)
+        # Counted on the host: work items per step (they predict GPU cost where time cannot).
+        self.counts = dict.fromkeys(HOST_COUNTERS, 0)
+        self._resolved_layers: dict[str, int] = {}
 
-    def start_step(self, step: StepResidency) -> None:
-        """This step's residency view; hot state carries over for unchanged leases."""
-        global _active
-        _active = self
-        self.step = step
-        self._serial += 1
-        self._mixed = list(step.host_pages)
-        self._substep_cache.clear()
-        self._page_table_cache.clear()
-        self._host_table_cache.clear()
-
-    def end_step(self) -> tuple[int, int]:
-        """(rows loaded, hot hits) of the step; forwards outside a step read everything in place."""
-        global _active
-        _active = None
-        counts = int(self._rows_loaded), int(self._rows_hit)
-        self._rows_loaded.zero_()
-        self._rows_hit.zero_()
-        return counts
+    # -- the maps, from the plans' deltas -------------------------------------------
 
     def forget(self, request_id: str) -> None:
-        """A finished or preempted request's hot rows may be reused: never keep them."""
-        for held in self._hot.values():
-            held.index.pop(request_id, None)
+        """A finished or preempted request: its rows and hot state are free for reuse."""
+        row = self._row.pop(request_id, None)
+        if row is None:
+            return
+        self._with_host_pages.discard(request_id)
+        self.host_page_table[row] = -1
+        for hot in self._hot.values():
+            hot.positions[row] = -1
+            hot.stamps[row] = -1
+        self._free_rows.append(row)
+
+    def update(
+        self,
+        host_pages: Iterable[HostPageUpdate],
+        leases: Iterable[HotLeaseUpdate],
+        staging: Iterable[StepStaging],
+    ) -> None:
+        """Apply a plan's residency deltas before the step's forward."""
+        for lease in leases:
+            row = self._row_of(lease.request_id)
+            for column, g in enumerate(self.mla_group_ids):
+                self._lease_blocks[g][row] = torch.tensor(lease.block_ids[column], dtype=torch.int64)
+            for hot in self._hot.values():  # a new lease starts empty
+                hot.positions[row] = -1
+                hot.stamps[row] = -1
+        rows, pages, values = [], [], []
+        for update in host_pages:
+            rows.append(self._row_of(update.request_id))
+            pages.append(update.page_index)
+            values.append(update.host_page)
+            self._with_host_pages.add(update.request_id)
+        if rows:
+            index = (torch.tensor(rows), torch.tensor(pages))
+            self.host_page_table.index_put_(
+                tuple(i.to(self.device) for i in index), torch.tensor(values, device=self.device)
+            )
+        self._staging = {entry.request_id: entry for entry in staging}
+
+    def _row_of(self, request_id: str) -> int:
+        row = self._row.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow(2 * len(self._lease_blocks[self.mla_group_ids[0]]))
+            row = self._free_rows.pop()
+            self._row[request_id] = row
+        return row
+
+    def _lease_pages(self) -> int:
+        return -(-self.hot_rows // self.block_size)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.host_page_table.shape[0]
+        if capacity <= old:
+            return
+        extra = capacity - old
+        self.host_page_table = torch.cat(
+            [self.host_page_table, self.host_page_table.new_full((extra, self.max_pages), -1)]
+        )
+        for g, blocks in self._lease_blocks.items():
+            self._lease_blocks[g] = torch.cat([blocks, blocks.new_zeros((extra, blocks.shape[1]))])
+        for owner, hot in self._hot.items():
+            grown = HotState.empty(extra, self.hot_rows, self.device)
+            self._hot[owner] = HotState(
+                torch.cat([hot.positions, grown.positions]), torch.cat([hot.stamps, grown.stamps])
+            )
+        self._free_rows.extend(range(capacity - 1, old - 1, -1))
+
+    # -- per step ------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """A step begins, after the plan's deltas."""
+        global _active
+        self._step_state = None
+        self._stamp += 1
+        self._resolved_layers.clear()
+        _active = self
+
+    def end_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+        """The step's device counters (DEVICE_COUNTERS) and error bits, as tensors, and its
+        host counters; counting restarts. Forwards outside a step read everything in place."""
+        global _active
+        _active = None
+        self._step_state = None
+        if self.counts["attention_calls"]:
+            self.counts["forward_steps"] += 1
+        if self._resolved_layers:
+            self.counts["resolving_steps"] += 1
+            self.counts["max_resolver_calls_per_layer_step"] = max(self._resolved_layers.values())
+        device, error, host = self._device_counts, self.error, self.counts
+        self._device_counts = torch.zeros_like(device)
+        self.error = torch.zeros_like(error)
+        self.counts = dict.fromkeys(HOST_COUNTERS, 0)
+        return device, error, host
 
     def resolves(self, layer_name: str) -> bool:
         """Whether this step's attention of `layer_name` goes through the resolver.
 
-        False on every step without a HOST page: the backend's own path then runs
+        False for a layer HiSparse does not manage, and on every step whose batch
+        has no request with HOST pages: the backend's own path then runs
         untouched (Hybrid's point: no cost without pressure).
         """
-        return bool(self.step.host_pages) and layer_name in self.layer_index
+        if layer_name not in self.layer_index:
+            return False
+        self.counts["attention_calls"] += 1
+        return bool(self._with_host_pages) and self._step().requests.numel() > 0
 
-    def attend(
+    def resolve_rows(
         self,
         layer_name: str,
         positions: torch.Tensor,
-        req_ids: torch.Tensor,
-        block_table: torch.Tensor,
+        batch_rows: torch.Tensor,
+        rows: torch.Tensor,
         kv_rows: torch.Tensor,
         stride_rows: int,
-        attend_all: Callable[[], torch.Tensor],
-        attend_rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        index_stride: int | None = None,
     ) -> torch.Tensor:
-        """One sparse-MLA layer's attention output with the step's HOST pages resolved.
+        """The rows one sparse-MLA layer reads this step, HOST pages resolved.
 
         positions [T, K]: the indexer's selection per query token (-1 padded);
-        req_ids [T]: each token's batch row; block_table: the layer group's block
-        ids per batch row (the null block, id 0, for a demoted page); kv_rows
-        [N, D]: the layer's cache as rows, block b's row i at b * stride_rows + i.
-
-        `attend_all()` is the backend's own path for the whole batch (its metadata
-        describes the whole batch); tokens of requests with HOST pages read the
-        null block there, and their outputs are then replaced: `attend_rows(tokens,
-        rows)` attends those tokens over `rows` [n, K] of `kv_rows`, same order as
-        their selections, -1 where a selection is -1.
-
-        The resolver runs in sub-steps: sub-step j resolves the j-th token of every
-        such request in one call, and attention reads it before the next sub-step
-        refills the hot slots. A prefill chunk or a multi-token decode may select
-        far more distinct rows than a hot buffer holds, one token never more than
-        top-K.
+        batch_rows [T]: each token's batch row; rows [T, K]: the backend's own
+        conversion of the selection, block b's token i at b * index_stride + i
+        (HOST pages point at the null block there; default stride_rows);
+        kv_rows: the layer's cache as rows, block b's token i at
+        b * stride_rows + i. Misses are copied into kv_rows.
         """
-        out = attend_all()
-        substeps = self._substeps(req_ids)
-        if not substeps:
-            return out
-        hot = self._layer_hot(layer_name, stride_rows, kv_rows.device)
-        page_table = self._mixed_page_table(block_table)
-        host_table = self._mixed_host_table(page_table.shape[1], kv_rows.device)
+        step = self._step()
+        plan = step.plans.get(self.topk_owner[layer_name])
+        token_requests = step.token_requests(batch_rows)
+        if plan is None:
+            owner = self.topk_owner[layer_name]
+            hot = self._hot.get(owner)
+            if hot is None:
+                hot = self._hot[owner] = HotState.empty(len(self.host_page_table), self.hot_rows, self.device)
+            active = HotState(hot.positions[step.requests], hot.stamps[step.requests])
+            plan = plan_resolution(
+                positions, token_requests, self.host_page_table, self.block_size, active,
+                step.staging_slots, self._stamp, table_rows=step.requests,
+            )
+            hot.positions[step.requests] = active.positions
+            hot.stamps[step.requests] = active.stamps
+            step.plans[owner] = plan
+            self.error |= plan.error
+            self.counts["resolution_plans"] += 1
+        group = self.group_of_layer[layer_name]
+        leases = self._lease_blocks[group]
+        copy_rows = step.slot_rows(group, stride_rows, leases, self.block_size, self.hot_rows)
+        index_stride = stride_rows if index_stride is None else index_stride
+        slot_rows = step.slot_rows(group, index_stride, leases, self.block_size, self.hot_rows)
         host_rows = self.host_pool[self.layer_index[layer_name]].flatten(0, 1)
         if host_rows.dtype != kv_rows.dtype:
             # The backend may see the cache reinterpreted (e.g. uint8 storage as fp8).
             host_rows = host_rows.view(kv_rows.dtype)
-        for tokens, mixed in substeps:
-            selected = positions[tokens]
-            before = hot.positions[mixed].clone()
-            self._stamp += 1
-            rows = resolve_topk_slots(
-                selected, mixed, page_table, self.block_size, kv_rows, host_rows, host_table,
-                hot, self._stamp, block_stride_rows=stride_rows,
-            )
-            loaded = (before != hot.positions[mixed]).sum()
-            pages = selected.long().clamp(min=0) // self.block_size
-            on_host = (selected >= 0) & (page_table[mixed.unsqueeze(1), pages] < 0)
-            self._rows_loaded += loaded
-            self._rows_hit += on_host.sum() - loaded
-            out[tokens] = attend_rows(tokens, rows).to(out.dtype)
-        return out
+        self._device_counts += plan.counts
+        self.counts["resolver_calls"] += 1
+        self._resolved_layers[layer_name] = self._resolved_layers.get(layer_name, 0) + 1
+        return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows)
 
-    def _substeps(self, req_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(tokens, their rows in the stacked hot state) per sub-step; [] without such tokens.
+    def _step(self) -> _Step:
+        if self._step_state is None:
+            batch = self.runner.input_batch.req_id_to_index
+            mixed = [rid for rid in self._with_host_pages if rid in batch]
+            self._step_state = _Step(self, mixed, [batch[rid] for rid in mixed])
+        return self._step_state
 
-        The same for every layer of the step, so it is computed once per token count.
-        """
-        key = int(req_ids.numel())
-        cached = self._substep_cache.get(key)
-        if cached is not None:
-            return cached
-        mixed_of_batch_row = {
-            row: m for m, rid in enumerate(self._mixed) if (row := self._batch_row(rid)) is not None
-        }
-        rank: dict[int, int] = {}
-        by_rank: dict[int, tuple[list[int], list[int]]] = {}
-        for t, batch_row in enumerate(req_ids.tolist()):
-            m = mixed_of_batch_row.get(batch_row)
-            if m is None:
-                continue
-            j = rank.get(m, 0)
-            rank[m] = j + 1
-            tokens, mixed = by_rank.setdefault(j, ([], []))
-            tokens.append(t)
-            mixed.append(m)
-        device = req_ids.device
-        substeps = [
-            (torch.tensor(tokens, dtype=torch.long, device=device),
-             torch.tensor(mixed, dtype=torch.long, device=device))
-            for tokens, mixed in (by_rank[j] for j in sorted(by_rank))
-        ]
-        self._substep_cache[key] = substeps
-        return substeps
 
-    def _batch_row(self, request_id: str) -> int | None:
-        return self.runner.input_batch.req_id_to_index.get(request_id)
+class _Step:
+    """What every layer of one step shares: its requests with HOST pages, their slots, plans."""
 
-    def _mixed_page_table(self, block_table: torch.Tensor) -> torch.Tensor:
-        """[M, P] device block of each page of the step's requests with HOST pages, -1 if none."""
-        key = (block_table.data_ptr(), tuple(block_table.shape))
-        table = self._page_table_cache.get(key)
-        if table is None:
-            # A request outside this batch gets any row: no token of the batch reads it.
-            batch_rows = [self._batch_row(rid) or 0 for rid in self._mixed]
-            rows = torch.tensor(batch_rows, dtype=torch.long, device=block_table.device)
-            table = block_table[rows].long()
-            table[table == 0] = -1  # the null block: the page is not resident
-            self._page_table_cache[key] = table
-        return table
+    def __init__(self, resolution: HiSparseResolution, request_ids: list[str], batch_rows: list[int]) -> None:
+        device = resolution.device
+        self.request_ids = request_ids
+        self.requests = torch.tensor([resolution._row[rid] for rid in request_ids], dtype=torch.int64,
+                                     device=device)
+        self._batch_rows = batch_rows
+        staging = [resolution._staging.get(rid) for rid in request_ids]
+        self.staging_slots = torch.tensor([s.num_slots if s else 0 for s in staging], dtype=torch.int64,
+                                          device=device)
+        self._staging = staging
+        self._mla_group_ids = resolution.mla_group_ids
+        self._device = device
+        self._token_requests: dict[tuple[int, int], torch.Tensor] = {}
+        self._slot_rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.plans: dict[int, ResolutionPlan] = {}
 
-    def _mixed_host_table(self, num_pages: int, device: torch.device) -> torch.Tensor:
-        """[M, P] host page holding each page of the step's requests with HOST pages, -1 if none."""
-        table = self._host_table_cache.get(num_pages)
-        if table is None:
-            table = torch.full((len(self._mixed), num_pages), -1, dtype=torch.long)
-            for m, rid in enumerate(self._mixed):
-                for page, host_page in self.step.host_pages[rid].items():
-                    if page < num_pages:
-                        table[m, page] = host_page
-            table = table.to(device)
-            self._host_table_cache[num_pages] = table
-        return table
+    def token_requests(self, batch_rows: torch.Tensor) -> torch.Tensor:
+        """Each token's request row in this step's tables, -1 for requests without HOST pages."""
+        key = (batch_rows.data_ptr(), batch_rows.numel())
+        found = self._token_requests.get(key)
+        if found is None:
+            size = max(self._batch_rows, default=-1) + 1
+            of_batch_row = torch.full((size + 1,), -1, dtype=torch.int64, device=self._device)
+            rows = torch.tensor(self._batch_rows, dtype=torch.int64, device=self._device)
+            of_batch_row[rows] = torch.arange(len(self._batch_rows), device=self._device)
+            found = of_batch_row[batch_rows.long().clamp(max=size)]
+            self._token_requests[key] = found
+        return found
 
-    def _layer_hot(self, layer_name: str, stride_rows: int, device: torch.device) -> HotState:
-        """The layer's hot state for the step's requests with HOST pages, one row each.
-
-        A request keeps its rows, held positions and stamps from earlier steps while
-        its lease is unchanged; a new or changed lease starts empty.
-        """
-        held = self._hot.get(layer_name)
-        if held is not None and held.serial == self._serial:
-            return held.state
-        group = self.mla_group_ids.index(self.group_of_layer[layer_name])
-        leases = [self.step.hot_blocks[rid] for rid in self._mixed]
-        offsets = torch.arange(self.block_size)
-        rows = torch.stack([
-            torch.cat([offsets + b * stride_rows for b in lease[group]])[: self.hot_rows]
-            for lease in leases
-        ]).long().to(device)
-        state = HotState(rows, torch.full_like(rows, -1), torch.full_like(rows, -1))
-        if held is not None:
-            keep = [
-                (m, held.index[rid]) for m, rid in enumerate(self._mixed)
-                if rid in held.index and held.leases[held.index[rid]] == leases[m]
-            ]
-            if keep:
-                new, old = (torch.tensor(c, dtype=torch.long, device=device) for c in zip(*keep, strict=True))
-                state.positions[new] = held.state.positions[old]
-                state.stamps[new] = held.state.stamps[old]
-        self._hot[layer_name] = _LayerHot(
-            self._serial, state, {rid: m for m, rid in enumerate(self._mixed)}, leases
-        )
-        return state
+    def slot_rows(
+        self, group: int, stride_rows: int, lease_blocks: torch.Tensor, block_size: int, hot_rows: int
+    ) -> torch.Tensor:
+        """[M, H + S] rows of the hot and staging slots of the step's requests, in one layer group."""
+        key = (group, stride_rows)
+        found = self._slot_rows.get(key)
+        if found is None:
+            column = self._mla_group_ids.index(group)
+            offsets = torch.arange(block_size, device=self._device)
+            hot = (lease_blocks[self.requests].unsqueeze(-1) * stride_rows + offsets).flatten(1)[:, :hot_rows]
+            widest = max((s.num_slots for s in self._staging if s), default=0)
+            staged = torch.zeros((len(self._staging), widest), dtype=torch.int64, device=self._device)
+            for m, entry in enumerate(self._staging):
+                if entry is not None:
+                    blocks = torch.tensor(entry.block_ids[column], dtype=torch.int64, device=self._device)
+                    staged[m, : entry.num_slots] = (blocks.unsqueeze(-1) * stride_rows + offsets).flatten()
+            found = self._slot_rows[key] = torch.cat([hot, staged], dim=1)
+        return found
 
 
 # The resolution whose step is running in this process, for the attention backends.

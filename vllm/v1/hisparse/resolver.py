@@ -1,28 +1,41 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Hybrid HiSparse top-K resolver, torch reference: positions -> physical rows.
 
-Owns the semantics every resolver implementation must match exactly (the CUDA
-kernel included): for one sparse-MLA layer and one batch, map the indexer's
-selected token positions to the rows attention reads, in the same order, so
-attention reads exactly the rows it would read with everything resident:
+Owns the semantics every resolver implementation must match exactly: for the
+sparse-MLA layers that share one top-K selection and one step, map the
+indexer's selected token positions to the rows attention reads, in the same
+order, so attention reads exactly the rows it would read with everything
+resident. Resolution works on all query tokens of the step at once (decode,
+draft verification, prefill chunks), per request:
 
-- a position on a resident page is read in place (block table, as upstream);
-- a position held in the request's hot buffer is a hit: its slot's LRU stamp
-  becomes this step;
-- otherwise it is a miss: one row is copied from the host pool into the least
-  recently used hot slot not selected in this step (lowest stamp, then lowest
-  slot; empty slots have stamp -1), which then holds that position.
+- a position on a resident page is read in place (the backend's own
+  conversion through the block table);
+- the request's selected positions on HOST pages form one set, U, for the
+  whole step (a position picked by several tokens, or twice by one, is one
+  row);
+- a position of U held in the request's hot buffer is a hit: its slot's LRU
+  stamp becomes this step;
+- the other positions of U are misses. Taken in ascending position order, the
+  i-th miss goes to the i-th slot of the request's eligible slots, the slots
+  holding no position of U ordered by (stamp, slot), empty slots (stamp -1)
+  first; the slot then holds that position with this step's stamp;
+- misses beyond the eligible slots are staged for this step only: the j-th
+  such miss goes to staging slot j, rows the scheduler leased for the step
+  (`staging_slots` per request). They never enter the hot state. A step that
+  needs more staging slots than it was given is a scheduler accounting error:
+  it is counted in `error`, not silently served.
 
-Entries are visited token by token, in order, so a duplicate in a list, or the
-same position picked by several tokens of one request in one step (prefill
-chunks, multi-token decode), is one miss followed by hits. Hot state is per
-request and per layer (each layer has its own rows). A step whose distinct
-misses for one request exceed its free slots cannot be served and raises
-`HotBufferTooSmall`.
+Every miss copies one row from the host pool into its slot's row. Decisions
+depend only on the selections and the hot state at the start of the step, so
+one `ResolutionPlan` serves every layer that shares the selection: each layer
+replays it over its own cache, hot-buffer rows and host pool (`apply`); only
+the row copies repeat.
 
-`resolve_topk_slots` validates shapes and dtypes with clear errors, then runs
-the CUDA kernel (csrc/hisparse_resolver.cu, in the `vllm._hisparse_C`
-extension the CUDA wheel builds) on CUDA tensors and the reference elsewhere.
+The plan is computed with fixed-shape tensor operations (sorts, scans,
+scatters over the step's T x K entries), and the row copies take its per-entry
+arrays with a mask (`copy_host_rows`: a CUDA kernel on CUDA caches), so nothing
+on the path reads a value back from the device; counters and the error flag
+stay tensors.
 
 It never allocates hot buffers or host memory; it reads and updates the state
 it is given.
@@ -36,143 +49,317 @@ import torch
 
 from vllm.v1.hisparse.ops import cuda_kernels_available
 
+# Keys are request * KEY_STRIDE + position: positions stay far below 2**40.
+KEY_STRIDE = 1 << 40
+# Bits of `ResolutionPlan.error`.
+ERROR_STAGING_OVERFLOW = 1
+ERROR_NOT_IN_HOST_POOL = 2
 
-class HotBufferTooSmall(RuntimeError):
-    """A request selected more distinct non-resident rows in one step than its hot buffer holds."""
+
+class ResolverError(RuntimeError):
+    """A step could not be resolved as planned (a scheduler/worker accounting error)."""
 
 
 @dataclass
 class HotState:
-    """One layer's hot buffers: row r of each tensor is request r's buffer."""
+    """The hot buffers of the step's requests with HOST pages, for one top-K selection.
 
-    rows: torch.Tensor  # [R, H] int64: physical row of each slot in the layer's KV cache
-    positions: torch.Tensor  # [R, H] int64: token position a slot holds, -1 if empty
-    stamps: torch.Tensor  # [R, H] int64: step that last selected a slot, -1 never
+    Row m is request m's buffer: `positions[m, s]` is the token position slot s
+    holds (-1 empty), `stamps[m, s]` the step that last selected it (-1 never).
+    Slot s is the same slot index in every layer that shares the selection;
+    each layer maps it to rows of its own cache.
+    """
 
-    def validate(self, num_requests: int) -> None:
-        for name in ("rows", "positions", "stamps"):
+    positions: torch.Tensor  # [M, H] int64
+    stamps: torch.Tensor  # [M, H] int64
+
+    @classmethod
+    def empty(cls, num_requests: int, hot_slots: int, device: torch.device | str = "cpu") -> HotState:
+        positions = torch.full((num_requests, hot_slots), -1, dtype=torch.int64, device=device)
+        return cls(positions, positions.clone())
+
+    def validate(self) -> None:
+        for name in ("positions", "stamps"):
             tensor = getattr(self, name)
             if tensor.dtype != torch.int64 or tensor.dim() != 2:
                 raise ValueError(
                     f"hot state {name} must be 2-D int64, got {tuple(tensor.shape)} {tensor.dtype}"
                 )
-            if tensor.shape != self.rows.shape:
-                raise ValueError(
-                    f"hot state {name} has shape {tuple(tensor.shape)}, rows {tuple(self.rows.shape)}"
-                )
-        if self.rows.shape[0] < num_requests:
-            raise ValueError(f"hot state covers {self.rows.shape[0]} requests, the batch has {num_requests}")
+        if self.positions.shape != self.stamps.shape:
+            raise ValueError(
+                f"hot state positions {tuple(self.positions.shape)} and stamps "
+                f"{tuple(self.stamps.shape)} differ"
+            )
+
+
+@dataclass
+class ResolutionPlan:
+    """One step's resolution of one top-K selection, to replay for every layer sharing it.
+
+    Entry tensors are [T, K] like the selection; distinct-row tensors are [T * K]
+    with `load` masking the rows to copy.
+    """
+
+    on_host: torch.Tensor  # [T, K] bool: the entry is a position on a HOST page
+    entry_request: torch.Tensor  # [T, K] int64: its request row m (0 where not on host)
+    entry_slot: torch.Tensor  # [T, K] int64: its slot, hot (< H) or staging (>= H)
+    load: torch.Tensor  # [T * K] bool: this distinct row is copied from the host pool
+    load_request: torch.Tensor  # [T * K] int64
+    load_slot: torch.Tensor  # [T * K] int64
+    load_host_row: torch.Tensor  # [T * K] int64: row of the layer's host pool
+    counts: torch.Tensor  # [3] int64: distinct rows copied, found in a hot buffer, staged
+    error: torch.Tensor  # [] int64: ERROR_* bits
+
+    @property
+    def rows_loaded(self) -> torch.Tensor:
+        return self.counts[0]
+
+    @property
+    def rows_hit(self) -> torch.Tensor:
+        return self.counts[1]
+
+
+def plan_resolution(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    block_size: int,
+    hot: HotState,
+    staging_slots: torch.Tensor,
+    step: int,
+    table_rows: torch.Tensor | None = None,
+) -> ResolutionPlan:
+    """Resolve the selections [T, K] (-1 padded) of one step; updates `hot` in place.
+
+    token_requests [T]: each token's request m (a row of `hot`), -1 for a
+    request without HOST pages (all its entries are resident).
+    host_page_table [R, P]: host page of each HOST page, -1 for a resident page
+    (pages past P are resident); request m's row is `table_rows[m]` (default m).
+    staging_slots [M]: staging rows leased to each request for this step.
+    `step` stamps the slots selected now.
+    """
+    num_requests = hot.positions.shape[0]
+    if table_rows is None:
+        table_rows = torch.arange(num_requests, device=positions.device)
+    _validate(positions, token_requests, host_page_table, hot, staging_slots, table_rows)
+    device = positions.device
+    num_tokens, topk = positions.shape
+    num_pages = host_page_table.shape[1]
+    hot_slots = hot.positions.shape[1]
+    num_entries = num_tokens * topk
+    pos = positions.long()
+    entry_request = token_requests.long().unsqueeze(1).expand(num_tokens, topk)
+    page = pos.clamp(min=0) // block_size
+    candidate = (pos >= 0) & (entry_request >= 0) & (page < num_pages)
+    host_page = host_page_table[table_rows[entry_request.clamp(min=0)], page.clamp(max=max(num_pages - 1, 0))]
+    on_host = candidate & (host_page >= 0)
+    entry_request = torch.where(on_host, entry_request, 0)
+
+    # The distinct (request, position) keys on HOST pages, ascending; the rest sort last.
+    sentinel = num_requests * KEY_STRIDE
+    key = torch.where(on_host, entry_request * KEY_STRIDE + pos, sentinel).flatten()
+    sorted_key, order = torch.sort(key)
+    first = torch.ones_like(sorted_key, dtype=torch.bool)
+    first[1:] = sorted_key[1:] != sorted_key[:-1]
+    first &= sorted_key != sentinel
+    distinct_of_sorted = torch.cumsum(first, 0) - 1
+    unique_key = torch.full((num_entries + 1,), sentinel, dtype=torch.int64, device=device)
+    unique_key.scatter_(0, torch.where(first, distinct_of_sorted, num_entries), sorted_key)
+    unique_key = unique_key[:num_entries]
+    valid = unique_key != sentinel
+    request = torch.where(valid, unique_key // KEY_STRIDE, 0)
+    position = torch.where(valid, unique_key % KEY_STRIDE, 0)
+
+    # Hits: a held position of the same request.
+    held = hot.positions.flatten()
+    held_request = torch.arange(num_requests, device=device).repeat_interleave(hot_slots)
+    held_key = torch.where(held >= 0, held_request * KEY_STRIDE + held, sentinel + 1)
+    sorted_held, held_order = torch.sort(held_key)
+    at = torch.searchsorted(sorted_held, unique_key).clamp(max=max(held.numel() - 1, 0))
+    if held.numel():
+        hit = valid & (sorted_held[at] == unique_key)
+        hit_flat = held_order[at]
+    else:
+        hit = torch.zeros_like(valid)
+        hit_flat = torch.zeros_like(unique_key)
+    dummy = num_requests * hot_slots
+    selected = torch.zeros(dummy + 1, dtype=torch.bool, device=device)
+    selected[torch.where(hit, hit_flat, dummy)] = True
+    selected = selected[:dummy].view(num_requests, hot_slots)
+
+    # Eligible slots in LRU order, per request: unselected first, then (stamp, slot).
+    _, by_stamp = torch.sort(hot.stamps, dim=1, stable=True)
+    _, by_selected = torch.sort(selected.gather(1, by_stamp).to(torch.int8), dim=1, stable=True)
+    lru_order = by_stamp.gather(1, by_selected)
+    num_eligible = hot_slots - selected.sum(dim=1)
+
+    # Misses, ranked by position within their request.
+    miss = valid & ~hit
+    misses_per_request = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
+    misses_per_request.scatter_add_(0, torch.where(miss, request, num_requests), miss.long())
+    miss_start = torch.cumsum(misses_per_request, 0) - misses_per_request
+    rank = torch.cumsum(miss.long(), 0) - 1 - miss_start[request]
+    eligible = num_eligible[request]
+    to_hot = miss & (rank < eligible)
+    staged_rank = rank - eligible
+    overflow = miss & ~to_hot & (staged_rank >= staging_slots.long()[request])
+    if hot_slots:
+        hot_slot = lru_order[request, rank.clamp(min=0, max=hot_slots - 1)]
+    else:
+        hot_slot = torch.zeros_like(rank)
+    miss_slot = torch.where(to_hot, hot_slot, hot_slots + staged_rank)
+    slot = torch.where(hit, hit_flat % max(hot_slots, 1), miss_slot)
+    # Slot 0 for what has no slot (padding past the distinct rows, an overflowing miss,
+    # counted in `error`), so every gather by slot stays in bounds.
+    slot = torch.where((hit | miss) & ~overflow, slot, 0)
+
+    # The hot state after this step.
+    flat = torch.where(hit | to_hot, request * hot_slots + slot, dummy)
+    stamps = torch.cat([hot.stamps.flatten(), hot.stamps.new_zeros(1)])
+    stamps[flat] = step
+    positions_after = torch.cat([held, held.new_zeros(1)])
+    positions_after[torch.where(to_hot, flat, dummy)] = position
+    hot.stamps.copy_(stamps[:dummy].view_as(hot.stamps))
+    hot.positions.copy_(positions_after[:dummy].view_as(hot.positions))
+
+    # Back to entry order.
+    distinct_of_entry = torch.empty_like(distinct_of_sorted)
+    distinct_of_entry[order] = distinct_of_sorted
+    distinct_of_entry = distinct_of_entry.clamp(min=0).view(num_tokens, topk)
+    entry_slot = torch.where(on_host, slot[distinct_of_entry], 0)
+
+    load = miss & ~overflow
+    staged = load & ~to_hot
+    last_page = max(num_pages - 1, 0)
+    source_page = host_page_table[table_rows[request], (position // block_size).clamp(max=last_page)]
+    not_in_pool = load & (source_page < 0)
+    error = overflow.any().long() * ERROR_STAGING_OVERFLOW + not_in_pool.any().long() * ERROR_NOT_IN_HOST_POOL
+    return ResolutionPlan(
+        on_host=on_host,
+        entry_request=entry_request,
+        entry_slot=entry_slot,
+        load=load & ~not_in_pool,
+        load_request=torch.where(valid, request, 0),
+        load_slot=slot,
+        load_host_row=source_page.clamp(min=0) * block_size + position % block_size,
+        counts=torch.stack([(load & ~not_in_pool).sum(), hit.sum(), (staged & ~not_in_pool).sum()]),
+        error=error,
+    )
+
+
+def apply_resolution(
+    plan: ResolutionPlan,
+    rows: torch.Tensor,
+    slot_rows: torch.Tensor,
+    kv_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+    copy_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Replay `plan` for one layer: copy its misses, return the rows attention reads.
+
+    rows [T, K]: the backend's own conversion of the selections (resident
+    entries are right; entries on HOST pages point at the null block).
+    slot_rows [M, H + S]: each request's hot and staging slots in the index
+    space of `rows`. copy_rows: the same slots as rows of `kv_rows` (default
+    `slot_rows`: the same index space); misses are copied there from
+    `host_rows`, this layer's host pool as rows.
+    """
+    copy_rows = slot_rows if copy_rows is None else copy_rows
+    destination = copy_rows[plan.load_request, plan.load_slot]
+    copy_host_rows(kv_rows, destination, host_rows, plan.load_host_row, plan.load)
+    resolved = slot_rows[plan.entry_request, plan.entry_slot].to(rows.dtype)
+    return torch.where(plan.on_host, resolved, rows)
+
+
+def copy_host_rows(
+    kv_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    host_rows: torch.Tensor,
+    src_rows: torch.Tensor,
+    copy: torch.Tensor,
+    use_kernel: bool | None = None,
+) -> None:
+    """For every i with copy[i]: device row dst_rows[i] of kv_rows = host row src_rows[i].
+
+    The entries are a plan's fixed-size per-entry arrays, masked by `copy` (no two
+    copied entries share a destination), so nothing waits for a count. On CUDA
+    caches the extension's kernel reads the pinned host pool through its device
+    mapping, ordered on the current stream (csrc/hisparse_row_copy.cu); the torch
+    reference below serves everywhere else. `use_kernel` forces one.
+    """
+    if use_kernel is None:
+        use_kernel = kv_rows.is_cuda and cuda_kernels_available()
+    if use_kernel:
+        torch.ops._hisparse_C.copy_host_rows(
+            kv_rows, dst_rows.long().contiguous(), host_rows, src_rows.long().contiguous(), copy.contiguous()
+        )
+        return
+    if kv_rows.is_cuda:
+        raise RuntimeError(
+            "HiSparse: the CUDA extension vllm._hisparse_C is not loaded; resolving host rows on a GPU "
+            "needs its row copy kernel (install the CUDA wheel, which builds it)"
+        )
+    kv_rows[dst_rows[copy]] = host_rows[src_rows[copy]]
 
 
 def resolve_topk_slots(
     positions: torch.Tensor,
-    req_ids: torch.Tensor,
-    page_table: torch.Tensor,
+    token_requests: torch.Tensor,
+    rows: torch.Tensor,
+    host_page_table: torch.Tensor,
     block_size: int,
+    hot: HotState,
+    slot_rows: torch.Tensor,
+    staging_slots: torch.Tensor,
     kv_rows: torch.Tensor,
     host_rows: torch.Tensor,
-    host_page_table: torch.Tensor,
-    hot: HotState,
     step: int,
-    block_stride_rows: int | None = None,
-) -> torch.Tensor:
-    """Resolve selected positions [T, K] (-1 padded) to rows of `kv_rows`, same order.
-
-    req_ids [T]: each query's row in the per-request tables. page_table [R, P]:
-    device block of each page, -1 where the page is not resident. host_page_table
-    [R, P]: host page holding each page's copy, -1 if none. kv_rows [N, D] and
-    host_rows [num_host_pages * block_size, D]: the layer's device cache and host
-    pool as rows. Misses write into `kv_rows` and update `hot`. Returns [T, K] int64,
-    -1 where the position is -1.
-
-    Runs the CUDA kernel for CUDA tensors when the extension is built, the torch
-    reference below otherwise; both follow the contract in the module docstring.
-    """
-    _validate(positions, req_ids, page_table, host_page_table, kv_rows, host_rows)
-    hot.validate(page_table.shape[0])
-    stride = block_size if block_stride_rows is None else block_stride_rows
-    if kv_rows.is_cuda and cuda_kernels_available():
-        try:
-            return torch.ops._hisparse_C.resolve_topk_slots(
-                positions.long().contiguous(),
-                req_ids.long().contiguous(),
-                page_table.long().contiguous(),
-                kv_rows,
-                host_rows,
-                host_page_table.long().contiguous(),
-                hot.rows,
-                hot.positions,
-                hot.stamps,
-                block_size,
-                stride,
-                step,
-            )
-        except RuntimeError as e:
-            if "HotBufferTooSmall" in str(e):
-                raise HotBufferTooSmall(str(e)) from e
-            raise
-
-    pos = positions.long()
-    valid = pos >= 0
-    safe = pos.clamp(min=0)
-    pages = safe // block_size
-    req = req_ids.long().unsqueeze(1).expand_as(pos)
-    blocks = page_table.long()[req, pages]
-    resident = valid & (blocks >= 0)
-    out = torch.where(resident, blocks * stride + safe % block_size, torch.full_like(pos, -1))
-
-    for t, k in torch.nonzero(valid & ~resident).tolist():
-        r, p = int(req[t, k]), int(pos[t, k])
-        held = torch.nonzero(hot.positions[r] == p)
-        if held.numel():
-            slot = int(held[0, 0])
-        else:
-            slot = _least_recently_used(hot, r, step, p)
-            host_page = int(host_page_table[r, p // block_size])
-            if host_page < 0:
-                raise ValueError(f"request row {r}: position {p} is neither resident nor in the host pool")
-            kv_rows[hot.rows[r, slot]] = host_rows[host_page * block_size + p % block_size]
-            hot.positions[r, slot] = p
-        hot.stamps[r, slot] = step
-        out[t, k] = hot.rows[r, slot]
-    return out
+    table_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ResolutionPlan]:
+    """One layer, one step: `plan_resolution` then `apply_resolution`; raises on an error."""
+    plan = plan_resolution(
+        positions, token_requests, host_page_table, block_size, hot, staging_slots, step, table_rows
+    )
+    check_resolution_error(int(plan.error))
+    return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows), plan
 
 
-def _least_recently_used(hot: HotState, r: int, step: int, position: int) -> int:
-    stamps = hot.stamps[r]
-    eligible = stamps != step
-    if not bool(eligible.any()):
-        raise HotBufferTooSmall(
-            f"request row {r} needs position {position} but all {stamps.numel()} hot slots were "
-            f"selected in step {step}; raise hisparse_config.device_buffer_size"
+def check_resolution_error(error: int) -> None:
+    """Raise for the error bits a step's plans reported (read once per step, off the hot path)."""
+    if error & ERROR_STAGING_OVERFLOW:
+        raise ResolverError(
+            "HiSparse: a request selected more distinct host rows in one step than its hot "
+            "buffer and the staging rows the scheduler leased for the step hold"
         )
-    masked = torch.where(eligible, stamps, torch.iinfo(torch.int64).max)
-    return int(torch.argmin(masked))  # argmin returns the first (lowest) slot among ties
+    if error & ERROR_NOT_IN_HOST_POOL:
+        raise ResolverError("HiSparse: a selected position is neither resident nor in the host pool")
 
 
 def _validate(
     positions: torch.Tensor,
-    req_ids: torch.Tensor,
-    page_table: torch.Tensor,
+    token_requests: torch.Tensor,
     host_page_table: torch.Tensor,
-    kv_rows: torch.Tensor,
-    host_rows: torch.Tensor,
+    hot: HotState,
+    staging_slots: torch.Tensor,
+    table_rows: torch.Tensor,
 ) -> None:
     if positions.dim() != 2 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"positions must be [T, K] int32/int64, got {tuple(positions.shape)} {positions.dtype}"
         )
-    if req_ids.shape != (positions.shape[0],):
-        raise ValueError(f"req_ids must be [{positions.shape[0]}], got {tuple(req_ids.shape)}")
-    if page_table.dim() != 2 or host_page_table.shape != page_table.shape:
+    if token_requests.shape != (positions.shape[0],):
+        raise ValueError(f"token_requests must be [{positions.shape[0]}], got {tuple(token_requests.shape)}")
+    if host_page_table.dim() != 2 or host_page_table.dtype != torch.int64:
         raise ValueError(
-            f"page_table and host_page_table must be the same [R, P] shape, got "
-            f"{tuple(page_table.shape)} and {tuple(host_page_table.shape)}"
+            f"host_page_table must be [R, P] int64, got {tuple(host_page_table.shape)} "
+            f"{host_page_table.dtype}"
         )
-    if kv_rows.dim() != 2 or host_rows.dim() != 2 or kv_rows.shape[1] != host_rows.shape[1]:
+    hot.validate()
+    num_requests = hot.positions.shape[0]
+    if not num_requests:
+        raise ValueError("resolution needs at least one request with HOST pages (hot state rows)")
+    if staging_slots.shape != (num_requests,) or table_rows.shape != (num_requests,):
         raise ValueError(
-            f"kv_rows and host_rows must be [rows, D] with one D, got {tuple(kv_rows.shape)} "
-            f"and {tuple(host_rows.shape)}"
+            f"staging_slots and table_rows must be [{num_requests}] (one per hot state row), got "
+            f"{tuple(staging_slots.shape)} and {tuple(table_rows.shape)}"
         )
-    if kv_rows.dtype != host_rows.dtype:
-        raise ValueError(f"kv_rows is {kv_rows.dtype} but host_rows is {host_rows.dtype}")

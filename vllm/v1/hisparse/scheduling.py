@@ -38,12 +38,15 @@ from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
+    WORKER_COUNTERS,
     HiSparseStepPlan,
+    HostPageUpdate,
+    HotLeaseUpdate,
     PageCopy,
     PageRestore,
-    RequestResidencyMap,
+    StepStaging,
 )
-from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
+from vllm.v1.hisparse.residency import RequestState, ResidencyManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,7 +57,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-
 
 class HiSparseScheduling:
     """Hybrid HiSparse's scheduler-side state for one Scheduler."""
@@ -91,6 +93,17 @@ class HiSparseScheduling:
             mode=config.mode,
             proactive_copy=config.proactive_copy,
         )
+        self.hot_rows = config.device_buffer_size
+        self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
+        self.num_groups = len(groups)
+        # Chunks scheduled this step whose staging counted their HOST pages: no demotion
+        # may add to those pages before the forward. Cleared when the plan is attached.
+        self._frozen: set[str] = set()
+        # Staging blocks leased for this step's chunks (request -> blocks, group-major),
+        # then, per plan, held until the step's output comes back.
+        self._staging: dict[str, list[int]] = {}
+        self.staging_rows_leased = 0
+        self.chunks_shortened = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
         # Host prefix hits need page-sized hashes (the hash block is the page).
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
@@ -105,8 +118,8 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
-        self.rows_loaded = 0
-        self.rows_hit = 0
+        # The workers' data path counters (see WORKER_COUNTERS), summed over steps.
+        self.worker_counts = dict.fromkeys(WORKER_COUNTERS, 0)
         # Steps that verified draft tokens of a request with pages in the host pool.
         self.speculative_steps_with_host_pages = 0
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
@@ -131,7 +144,7 @@ class HiSparseScheduling:
         # Blocks the request is about to take from the prefix cache must stay put:
         # they are already counted as allocations if they sit in the free queue.
         protected = {b.block_id for group in new_computed_blocks for b in group}
-        freed = self.residency.relieve_pressure(num_blocks, protected_blocks=protected)
+        freed = self.residency.relieve_pressure(num_blocks, protected_blocks=protected, frozen=self._frozen)
         if freed >= num_blocks:
             self.residency.counters.preemptions_avoided += 1
             return True
@@ -148,6 +161,74 @@ class HiSparseScheduling:
             return False
         self.residency.counters.preemptions_avoided += 1
         return True
+
+    def fit_chunk(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """The tokens of `request` this step can compute, with staging rows leased for them.
+
+        All query tokens of a step resolve at once. A request's selections this
+        step are at most T x top-K distinct rows, or its HOST rows if fewer; what
+        its hot buffer cannot hold is staged in blocks leased from the pool for
+        this step only (returned when the step's output comes back). Pressure
+        relief for the chunk's own new blocks runs first, since it may demote
+        the request's own older pages; then the staging is counted, and when the
+        pool cannot spare it, even after demoting other requests' settled pages,
+        the chunk is shortened to what fits (at least hot rows / top-K tokens,
+        which need no staging). A chunk that could need staging freezes its
+        request's residency for the step, so its HOST rows stay what was counted.
+        """
+        self._return_staging(request.request_id)
+        if num_new_tokens * self.index_topk <= self.hot_rows or not self.issue_plans:
+            return num_new_tokens
+
+        def own_blocks(num_tokens: int) -> int:
+            # The chunk's own new blocks: a page more than it spans, in every group.
+            end = -(-(num_computed_tokens + num_tokens) // self.block_size)
+            return (end - num_computed_tokens // self.block_size + 1) * self.num_groups
+
+        short = own_blocks(num_new_tokens) - self.blocks.num_free_blocks()
+        if short > 0:
+            self.residency.relieve_pressure(short, frozen=self._frozen)
+        self._frozen.add(request.request_id)
+        host_rows = self._host_pages(request.request_id) * self.block_size
+
+        def needed(num_tokens: int) -> int:
+            return own_blocks(num_tokens) + self._staging_blocks(num_tokens, host_rows)
+
+        if not self._staging_blocks(num_new_tokens, host_rows):
+            return num_new_tokens
+        short = needed(num_new_tokens) - self.blocks.num_free_blocks()
+        if short > 0:
+            self.residency.relieve_pressure(short, frozen=self._frozen)
+        free = self.blocks.num_free_blocks()
+        if needed(num_new_tokens) > free:
+            # The longest chunk that fits; hot rows / top-K tokens need no staging at all.
+            low, high = max(1, self.hot_rows // self.index_topk), num_new_tokens
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if needed(middle) <= free else (low, middle - 1)
+            num_new_tokens = min(low, num_new_tokens)
+            self.chunks_shortened += 1
+        blocks = self._staging_blocks(num_new_tokens, host_rows)
+        if blocks:
+            self._staging[request.request_id] = self.blocks.take(blocks)
+            self.staging_rows_leased += blocks // len(self.mla_group_ids) * self.block_size
+        return num_new_tokens
+
+    def _staging_blocks(self, num_tokens: int, host_rows: int) -> int:
+        """Blocks (all sparse-MLA groups) to stage what `num_tokens` may select beyond the hot buffer."""
+        rows = min(num_tokens * self.index_topk, host_rows) - self.hot_rows
+        return -(-max(rows, 0) // self.block_size) * len(self.mla_group_ids)
+
+    def _host_pages(self, request_id: str) -> int:
+        """HOST pages the request has, or takes with the host hit it is about to be scheduled with."""
+        req = self.residency.requests.get(request_id)
+        pending = self._pending_hits.get(request_id)
+        return (req.num_host_pages if req is not None else 0) + (len(pending[0]) if pending else 0)
+
+    def _return_staging(self, request_id: str) -> None:
+        blocks = self._staging.pop(request_id, None)
+        if blocks:
+            self.blocks.give_back(blocks)
 
     def extend_prefix_hit(
         self, request: Request, blocks: KVCacheBlocks, num_tokens: int
@@ -290,7 +371,7 @@ class HiSparseScheduling:
             # request recomputes its whole prefix, which needs far more blocks than the lease.
             short = self.residency.hot_lease_blocks - self.blocks.num_free_blocks()
             protected = {b.block_id for b in hit_blocks}
-            if self.residency.relieve_pressure(short, protected_blocks=protected) > 0:
+            if self.residency.relieve_pressure(short, protected_blocks=protected, frozen=self._frozen) > 0:
                 lease = self.residency.lease()
         block_pool.free_blocks(hit_blocks)
         return lease
@@ -311,6 +392,8 @@ class HiSparseScheduling:
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self._return_pending_lease(request.request_id)
+        self._return_staging(request.request_id)
+        self._frozen.discard(request.request_id)
         self._connector_hits.pop(request.request_id, None)
         self._restored.pop(request.request_id, None)
         self.residency.finish(request.request_id)
@@ -329,7 +412,7 @@ class HiSparseScheduling:
         copies: list[PageCopy] = []
         if self.issue_plans:
             # Also in a step that schedules no token: the workers run every step's plan.
-            copies = self.residency.plan_copies()
+            copies = self.residency.plan_copies(frozen=self._frozen)
             for copy in copies:
                 self._in_flight[(copy.request_id, copy.page_index)] = copy
         for state, n in self.residency.requests_by_state().items():
@@ -340,32 +423,57 @@ class HiSparseScheduling:
                 self.speculative_steps_with_host_pages += 1
         updates, self.blocks.updates = self.blocks.updates, []
         restores, self._restores = self._restores, []
+        new_host_pages, new_leases = self.residency.drain_changes()
+        k = len(self.mla_group_ids)
+        staging = []
+        for request_id in list(self._staging):
+            if request_id not in scheduler_output.num_scheduled_tokens:
+                self._return_staging(request_id)  # the chunk was not scheduled after all
+                continue
+            blocks = self._staging.pop(request_id)
+            staging.append(StepStaging(request_id, len(blocks) // k * self.block_size,
+                                       tuple(tuple(blocks[g::k]) for g in range(k))))
+        self._frozen.clear()
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
             mla_group_ids=self.mla_group_ids,
             copies=tuple(copies),
             block_table_updates=tuple(updates),
             restores=tuple(restores),
-            residency=self._residency_maps(),
+            host_pages=tuple(HostPageUpdate(*change) for change in new_host_pages),
+            leases=tuple(
+                HotLeaseUpdate(rid, tuple(tuple(blocks[g::k]) for g in range(k)))
+                for rid, blocks in new_leases
+            ),
+            staging=tuple(staging),
         )
 
     def on_model_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """Mark the step's reported copies durable; cancel the ones not reported."""
+        """The step is done: return its staging rows; mark the copies the workers report durable.
+
+        Workers report a copy once it is known to be done, which on CUDA can be a
+        step or more after the step that planned it: until then it stays in
+        flight. Workers that report nothing do not run HiSparse: every copy in
+        flight is cancelled and planning stops.
+        """
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
-        self.rows_loaded += getattr(output, "hisparse_rows_loaded", 0) or 0
-        self.rows_hit += getattr(output, "hisparse_rows_hit", 0) or 0
-        if plan is None or not plan.copies:
-            return
+        if plan is not None:
+            for entry in plan.staging:
+                self.blocks.give_back([b for group in entry.block_ids for b in group])
+        counts = self.worker_counts
+        for name, value in (getattr(output, "hisparse_counters", None) or {}).items():
+            if name in counts:
+                counts[name] = max(counts[name], value) if name.startswith("max_") else counts[name] + value
         reported = getattr(output, "hisparse_copied", None)
-        done_keys = set(map(tuple, reported or ()))
-        done, failed = [], []
-        for copy in plan.copies:
-            key = (copy.request_id, copy.page_index)
-            if self._in_flight.pop(key, None) is None:
-                continue
-            (done if key in done_keys else failed).append(copy)
-        self.residency.cancel_copies(failed)
-        self.residency.complete_copies(done)
+        if plan is None or (reported is None and not plan.copies):
+            return
+        if reported is None:
+            failed = list(self._in_flight.values())
+            self._in_flight.clear()
+            self.residency.cancel_copies(failed)
+        else:
+            done = [copy for key in map(tuple, reported) if (copy := self._in_flight.pop(key, None))]
+            self.residency.complete_copies(done)
         if reported is None and self.issue_plans:
             self.issue_plans = False
             logger.warning(
@@ -408,29 +516,12 @@ class HiSparseScheduling:
         assert not restored, f"{request_id}: restored pages {restored} beyond its block table"
         if lease:  # the scheduler did not take the hit after all
             residency.allocator.give_back(lease)
+        residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
         if self.enable_caching:
             cached = min(m.num_cached_block.get(request_id, 0) for m in self.blocks.managers)
             stable = min(stable, cached * self.block_size)
         residency.advance(request_id, stable)
-
-    def _residency_maps(self) -> tuple[RequestResidencyMap, ...]:
-        maps = []
-        k = len(self.mla_group_ids)
-        for req in self.residency.requests.values():
-            if req.state is RequestState.FULL:
-                continue
-            maps.append(
-                RequestResidencyMap(
-                    request_id=req.request_id,
-                    host_pages=tuple(
-                        (i, p.host_page) for i, p in enumerate(req.pages)
-                        if p.state is PageState.HOST and p.host_page is not None
-                    ),
-                    hot_block_ids=tuple(tuple(req.hot_blocks[g::k]) for g in range(k)),
-                )
-            )
-        return tuple(maps)
 
     # -- observation -----------------------------------------------------------
 
@@ -456,15 +547,19 @@ class HiSparseScheduling:
             pages_restored=counters.pages_restored,
             preemptions_avoided=counters.preemptions_avoided,
             copies_in_flight=len(self._in_flight),
+            # Rows leased for one step to stage misses beyond hot buffers, and chunks
+            # shortened because the pool could not spare them.
+            staging_rows_leased=self.staging_rows_leased,
+            chunks_shortened=self.chunks_shortened,
             # Rows the workers' resolvers loaded host -> device (hot-buffer misses), and
             # selected non-resident rows already in a hot buffer (hits).
-            rows_loaded=self.rows_loaded,
-            rows_hit=self.rows_hit,
+            **self.worker_counts,
             request_steps_mixed=self.request_steps[RequestState.MIXED],
             request_steps_none=self.request_steps[RequestState.NONE],
             speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,
             bytes_to_host=counters.pages_copied_to_host * self._page_bytes,
-            bytes_from_host=counters.pages_restored * self._page_bytes + self.rows_loaded * self._row_bytes,
+            bytes_from_host=counters.pages_restored * self._page_bytes
+            + self.worker_counts["rows_loaded"] * self._row_bytes,
         )
         return out
 

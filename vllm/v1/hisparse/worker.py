@@ -7,12 +7,16 @@ Owns, per worker:
   sparse-MLA layer is `pool[:, page]` and each layer's pool is plain rows for
   the resolver (pinned memory on CUDA, plain memory on CPU);
 - before the step's metadata is built: the step's host->device restores (the
-  sparse-MLA pages of a KV connector hit, into the blocks allocated for them)
-  and its block-table point updates (a demoted page's entries become the null
-  block) to the runner's request states and persistent batch, and the step's
-  residency view handed to the resolution (`resolution.py`);
+  sparse-MLA pages of a KV connector hit, into the blocks allocated for them),
+  its block-table point updates (a demoted page's entries become the null
+  block) to the runner's request states and persistent batch, and its
+  residency deltas, handed to the resolution (`resolution.py`);
 - after the forward, the step's planned device->host page copies for all
-  sparse-MLA layers, reported back as `ModelRunnerOutput.hisparse_copied`.
+  sparse-MLA layers in one launch, and the reports the scheduler reads from
+  `ModelRunnerOutput`: the copies known durable, the resolver's counters, and
+  its error bits. On CUDA nothing here waits for the GPU: a copy is reported,
+  and counters are read, once the CUDA event recorded after them has passed,
+  which is a step or more later.
 
 It never decides anything: what moves where comes from the plan. It touches
 the KV cache only through the planned copies; the resolution loads rows.
@@ -20,17 +24,20 @@ the KV cache only through the planned copies; the resolution loads rows.
 
 from __future__ import annotations
 
+from collections import deque
 from copy import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.config.hisparse import RESOLVING_BACKENDS, host_pool_pages, plans_executable
+from vllm.config.hisparse import RESOLVING_BACKENDS, SPARSE_MLA_PAGE_TOKENS, host_pool_pages, plans_executable
 from vllm.logger import init_logger
-from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
+from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_group_ids
 from vllm.v1.hisparse.page_copy import copy_pages
-from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION
-from vllm.v1.hisparse.resolution import HiSparseResolution, StepResidency, impl_resolves
+from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
+from vllm.v1.hisparse.resolution import HiSparseResolution, impl_resolves, topk_owner_of_layer
+from vllm.v1.hisparse.resolver import check_resolution_error
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -40,6 +47,66 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class _StepReport:
+    """What one step leaves to report: its copies and counters, done once `event` has passed."""
+
+    copies: list[tuple[str, int]]
+    device_counts: torch.Tensor  # DEVICE_COUNTERS then the error bits, host memory
+    host_counts: dict[str, int]
+    event: Any = None  # a CUDA event recorded after the step's copies; None on CPU
+
+
+class StepReports:
+    """Copies and counters of steps whose work may still be queued on the device.
+
+    On CPU every step's work is done when its call returns. On CUDA each step
+    records an event after its copy launch and starts a non-blocking copy of its
+    device counters into pinned memory; `collect` reports, in order, the steps
+    whose events have passed, so no report waits for the GPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: deque[_StepReport] = deque()
+
+    def submit(
+        self, copies: list[tuple[str, int]], device_counts: torch.Tensor, error: torch.Tensor,
+        host_counts: dict[str, int],
+    ) -> None:
+        values = torch.cat([device_counts, error.reshape(1)])
+        if self.device.type != "cuda":
+            self._pending.append(_StepReport(copies, values, host_counts))
+            return
+        pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        pinned.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append(_StepReport(copies, pinned, host_counts, event))
+
+    def collect(self) -> tuple[list[tuple[str, int]], dict[str, int], int]:
+        """(durable copies, counters, error bits) of every step done since the last call.
+
+        Counters add up over the steps collected, except the maxima (`max_*`).
+        `device_reads` counts the reads of device-produced values this makes: one
+        per collected step, each after its work is done.
+        """
+        copies: list[tuple[str, int]] = []
+        counters = dict.fromkeys(WORKER_COUNTERS, 0)
+        error = 0
+        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+            report = self._pending.popleft()
+            copies.extend(report.copies)
+            *values, step_error = report.device_counts.tolist()
+            counters["device_reads"] += 1
+            error |= step_error
+            step_counts = [*zip(DEVICE_COUNTERS, values, strict=True), *report.host_counts.items()]
+            for name, value in step_counts:
+                maximum = name.startswith("max_")
+                counters[name] = max(counters[name], value) if maximum else counters[name] + value
+        return copies, counters, error
 
 
 class HiSparseWorker:
@@ -52,14 +119,17 @@ class HiSparseWorker:
         group_of_layer: dict[str, int],
         hot_rows: int,
         num_host_pages: int,
+        topk_owner: dict[str, int] | None = None,
+        max_pages: int | None = None,
     ) -> None:
         """`group_of_layer`: the KV cache group of each layer whose pages move (the
         resident group, indexer and MTP drafter, reads in place); `hot_rows`: rows of
-        a hot buffer; `num_host_pages`: pages of the host pool."""
+        a hot buffer; `num_host_pages`: pages of the host pool; `topk_owner`: the
+        decoder layer whose top-K each layer reads (default: its own); `max_pages`:
+        pages of the longest request (default: the host pool's)."""
         self.group_of_layer = dict(group_of_layer)
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layers = list(self.group_of_layer)
-        self.layer_index = {name: i for i, name in enumerate(self.layers)}
         # [num_blocks, 1 (latent head), block_size, width] -> [num_blocks, block_size, width]
         self.kv_caches = {
             name: kv_caches[name][:, 0] if kv_caches[name].dim() == 4 else kv_caches[name]
@@ -69,7 +139,6 @@ class HiSparseWorker:
         first = self.kv_caches[self.layers[0]]
         self.block_size = first.shape[1]
         width = first.shape[2]
-        self.hot_rows = hot_rows
         pin = first.is_cuda
         self.host_pool = torch.empty(
             (len(self.layers), num_host_pages, self.block_size, width),
@@ -78,9 +147,18 @@ class HiSparseWorker:
         )
         self.runner = runner
         self._plan: HiSparseStepPlan | None = None
+        self._layer_column: tuple[int, ...] | None = None
         self.resolution = HiSparseResolution(
-            runner, self.group_of_layer, self.block_size, hot_rows, self.host_pool
+            runner,
+            self.group_of_layer,
+            topk_owner if topk_owner is not None else {name: i for i, name in enumerate(self.layers)},
+            self.block_size,
+            hot_rows,
+            self.host_pool,
+            first.device,
+            max_pages=max_pages if max_pages is not None else num_host_pages,
         )
+        self.reports = StepReports(first.device)
         logger.info(
             "Hybrid HiSparse worker: host pool of %d pages x %d sparse-MLA layers (%.2f GiB%s)",
             num_host_pages,
@@ -92,20 +170,23 @@ class HiSparseWorker:
     # -- per step ----------------------------------------------------------------
 
     def begin_step(self, scheduler_output: SchedulerOutput) -> None:
-        """Apply the plan's block-table updates and take its residency view (before metadata)."""
+        """Apply the plan's restores, block-table updates and residency deltas (before metadata)."""
         plan = scheduler_output.hisparse_plan
         self._plan = plan
         for rid in list(scheduler_output.finished_req_ids) + list(scheduler_output.preempted_req_ids or ()):
             self.resolution.forget(rid)
-        if plan is None:
-            self.resolution.start_step(StepResidency())
-            return
-        if plan.version != HISPARSE_PLAN_VERSION:
-            raise RuntimeError(
-                f"HiSparse plan version {plan.version}, this worker executes version "
-                f"{HISPARSE_PLAN_VERSION}: scheduler and worker builds differ"
-            )
-        self._run_restores(plan)
+        if plan is not None:
+            if plan.version != HISPARSE_PLAN_VERSION:
+                raise RuntimeError(
+                    f"HiSparse plan version {plan.version}, this worker executes version "
+                    f"{HISPARSE_PLAN_VERSION}: scheduler and worker builds differ"
+                )
+            self._run_restores(plan)
+            self._update_block_tables(plan)
+            self.resolution.update(plan.host_pages, plan.leases, plan.staging)
+        self.resolution.start_step()
+
+    def _update_block_tables(self, plan: HiSparseStepPlan) -> None:
         runner = self.runner
         touched: set[str] = set()
         for update in plan.block_table_updates:
@@ -119,32 +200,23 @@ class HiSparseWorker:
             row = batch.req_id_to_index.get(rid)
             if row is not None:
                 batch.block_table.add_row(runner.requests[rid].block_ids, row)
-        step = StepResidency()
-        for entry in plan.residency:
-            step.host_pages[entry.request_id] = dict(entry.host_pages)
-            step.hot_blocks[entry.request_id] = entry.hot_block_ids
-        self.resolution.start_step(step)
 
     def finish_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """After the forward (or instead of one): run the planned copies, report them."""
-        rows_loaded, rows_hit = self.resolution.end_step()
+        """After the forward (or instead of one): launch the planned copies, report what is done."""
+        device_counts, error, host_counts = self.resolution.end_step()
         plan, self._plan = self._plan, None
         if plan is None:
             return output
+        self._copy_pages(plan, plan.copies, to_host=True)
+        copies = [(c.request_id, c.page_index) for c in plan.copies]
+        self.reports.submit(copies, device_counts, error, host_counts)
+        copied, counters, error_bits = self.reports.collect()
+        check_resolution_error(error_bits)
         if output is _empty_output():
             output = copy(output)
-        output.hisparse_copied = self._run_copies(plan)
-        output.hisparse_rows_loaded = rows_loaded
-        output.hisparse_rows_hit = rows_hit
+        output.hisparse_copied = copied
+        output.hisparse_counters = counters
         return output
-
-    def _run_copies(self, plan: HiSparseStepPlan) -> list[tuple[str, int]]:
-        """Every planned page of every sparse-MLA layer to the host pool, in one batched copy."""
-        self._copy_pages(plan, plan.copies, to_host=True)
-        if plan.copies and self.host_pool.is_pinned() and torch.cuda.is_available():
-            # Reported copies must be durable: wait for the launch on the model's stream.
-            torch.cuda.current_stream().synchronize()
-        return [(page_copy.request_id, page_copy.page_index) for page_copy in plan.copies]
 
     def _run_restores(self, plan: HiSparseStepPlan) -> None:
         """Host -> device into a connector hit's blocks, ordered before the forward."""
@@ -155,8 +227,10 @@ class HiSparseWorker:
     ) -> None:
         if not pages:
             return
-        # Column l: the block of each page in layer l's sparse-MLA group.
-        column = [plan.mla_group_ids.index(self.group_of_layer[name]) for name in self.layers]
+        if self._layer_column is None:
+            # Column l: the block of each page in layer l's sparse-MLA group.
+            self._layer_column = tuple(plan.mla_group_ids.index(self.group_of_layer[n]) for n in self.layers)
+        column = self._layer_column
         block_ids = torch.tensor([[page.block_ids[c] for c in column] for page in pages], dtype=torch.int64)
         host_pages = torch.tensor([page.host_page for page in pages], dtype=torch.int64)
         copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host)
@@ -191,12 +265,16 @@ def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> H
         )
     config = runner.vllm_config.attention_config.hisparse_config
     assert config.device_buffer_size is not None
+    indexers = [name for group in groups for name in group.layer_names if name.endswith(INDEXER_LAYER_SUFFIX)]
+    max_len = runner.vllm_config.model_config.max_model_len
     return HiSparseWorker(
         runner,
         kv_caches,
         group_of_layer,
         hot_rows=config.device_buffer_size,
         num_host_pages=host_pool_pages(runner.vllm_config),
+        topk_owner=topk_owner_of_layer(group_of_layer, indexers),
+        max_pages=-(-max_len // SPARSE_MLA_PAGE_TOKENS) + 1,
     )
 
 

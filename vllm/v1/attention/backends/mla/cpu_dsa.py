@@ -39,7 +39,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 from vllm.v1.attention.ops import dsa_torch
-from vllm.v1.hisparse.sparse_mla import concat_q, resolves_through_hisparse
+from vllm.v1.hisparse.sparse_mla import resolve_selected_rows, resolves_through_hisparse
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 if TYPE_CHECKING:
@@ -234,11 +234,6 @@ def latent_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return rows, stride_rows
 
 
-def _attend_rows(impl, q, kv_cache, kv_rows, stride_rows, rows, attn_metadata) -> torch.Tensor:
-    """Attention of some tokens over given rows of the latent cache (HiSparse's resolved rows)."""
-    return dsa_torch.sparse_mla_attention(concat_q(q), kv_rows, rows, impl.scale, impl.kv_lora_rank)
-
-
 class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
     is_sparse = True
     supports_dense_mha_prefill = False
@@ -291,7 +286,7 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         rows[slots, : self.kv_lora_rank] = kv_c_normed[keep].to(rows.dtype)
         rows[slots, self.kv_lora_rank :] = k_pe.flatten(1)[keep].to(rows.dtype)
 
-    @resolves_through_hisparse(_attend_rows, row_view=lambda cache, _block_size: latent_rows(cache))
+    @resolves_through_hisparse(row_view=lambda cache, _block_size: latent_rows(cache))
     def forward_mqa(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -299,7 +294,8 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         attn_metadata: CPUDSAMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q = concat_q(q)
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
         assert self.topk_indices_buffer is not None
         num_tokens = q.shape[0]
         positions = self.topk_indices_buffer[:num_tokens]
@@ -308,4 +304,6 @@ class CPUSparseMLAImpl(MLAAttentionImpl[CPUDSAMetadata]):
         slots = dsa_torch.positions_to_slots(
             positions, req_ids, attn_metadata.block_table, attn_metadata.block_size, stride_rows
         )
+        # Hybrid HiSparse: entries on pages in the host pool read the rows it resolved.
+        slots = resolve_selected_rows(positions, req_ids, slots, stride_rows)
         return dsa_torch.sparse_mla_attention(q, rows, slots, self.scale, self.kv_lora_rank), None

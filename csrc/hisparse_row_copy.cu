@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// Hybrid HiSparse resolver row copy: a step's misses, host pool rows -> hot or staging rows.
+//
+// The semantics are those of the torch reference, vllm/v1/hisparse/resolver.py
+// (copy_host_rows): for every entry i with copy[i], device row dst_rows[i] of the
+// layer's KV cache holds host row src_rows[i] afterwards. The entries are the
+// fixed-size per-entry arrays of a ResolutionPlan (one per selected position of
+// the step, masked to its distinct misses), so the launch needs no count read
+// back from the device. One warp copies one row from pinned host memory through
+// its device mapping, in 16-byte words when rows and strides allow; entries
+// never share a destination (each miss has its own slot), so warps never race.
+//
+// This file has no torch dependency so it compiles with plain nvcc; the torch
+// binding is csrc/hisparse_ops.cpp.
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "hisparse_row_copy.h"
+
+namespace hisparse {
+
+namespace {
+
+template <typename word_t>
+__global__ void copy_host_rows_kernel(RowCopyArgs args) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= args.n || !args.copy[warp]) return;
+  const word_t* src =
+      reinterpret_cast<const word_t*>(args.host_rows + args.src_rows[warp] * args.host_row_stride);
+  word_t* dst = reinterpret_cast<word_t*>(args.kv_rows + args.dst_rows[warp] * args.kv_row_stride);
+  const int64_t words = args.row_bytes / static_cast<int64_t>(sizeof(word_t));
+  for (int64_t w = lane; w < words; w += 32) dst[w] = src[w];
+}
+
+bool aligned(int64_t value) { return value % 16 == 0; }
+
+}  // namespace
+
+cudaError_t launch_copy_host_rows(const RowCopyArgs& args, cudaStream_t stream) {
+  if (args.n == 0) return cudaSuccess;
+  const bool wide = aligned(args.row_bytes) && aligned(args.kv_row_stride) &&
+                    aligned(args.host_row_stride) &&
+                    aligned(reinterpret_cast<int64_t>(args.kv_rows)) &&
+                    aligned(reinterpret_cast<int64_t>(args.host_rows));
+  const int threads = 32 * kRowCopyWarpsPerBlock;
+  const dim3 grid(static_cast<unsigned>((args.n + kRowCopyWarpsPerBlock - 1) / kRowCopyWarpsPerBlock));
+  if (wide) {
+    copy_host_rows_kernel<uint4><<<grid, threads, 0, stream>>>(args);
+  } else {
+    copy_host_rows_kernel<uint8_t><<<grid, threads, 0, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace hisparse
