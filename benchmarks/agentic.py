@@ -243,7 +243,8 @@ def add_work_counters(run: Run, text: str) -> None:
     run.rows_staged = metric(text, "vllm:hisparse_rows_staged_total")
     run.staging_rows_leased = metric(text, "vllm:hisparse_staging_rows_leased_total")
     run.chunks_shortened = metric(text, "vllm:hisparse_chunks_shortened_total")
-    run.host_syncs_per_step = metric(text, "vllm:hisparse_device_reads_total") / forward_steps
+    worker_steps = metric(text, "vllm:hisparse_worker_steps_total")
+    run.host_syncs_per_step = metric(text, "vllm:hisparse_device_reads_total") / max(worker_steps, 1)
 
 
 RATIO_FIELDS = ("output_tokens_per_s", "per_user_tokens_per_s", "mean_running", "ttft_p50_s", "ttft_p99_s")

@@ -322,6 +322,18 @@ def test_random_workloads_keep_every_block_owned_once_and_return_everything(
     assert residency.host_pool.num_referenced == 0, "every host reference returns"
 
 
+def test_a_host_prefix_chunk_whose_staging_leaves_no_room_for_its_blocks_still_runs(model):
+    # The last request takes six host pages and a lease; the staging its chunk could need
+    # leaves too few blocks for the prefix-hit blocks it allocates. Its next chunk takes no
+    # staging rows, so it runs instead of waiting forever.
+    h = harness(model, 4, max_model_len=1024, max_num_batched_tokens=128)
+    for i, (prefix, length, max_tokens) in enumerate([(0, 339, 10), (2, 470, 1), (0, 201, 18)]):
+        h.add_request(prompt(100 + prefix, 256) + prompt(i, length), max_tokens=max_tokens)
+    obs = run_checked(h, max_steps=1000)
+    assert all(req.num_output_tokens == req.max_tokens for req in h.requests.values())
+    assert obs[-1].hisparse_stats["host_prefix_pages_reused"] > 0
+
+
 def test_without_proactive_copies_pressure_waits_for_the_copies_instead_of_preempting(model):
     # Nothing is on the host when the pool runs short: relief marks pages for
     # copy-then-free, and the scheduler waits a step for the copies to land.

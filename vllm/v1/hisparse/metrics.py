@@ -76,6 +76,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Attention kernel calls of HiSparse-managed layers (one per layer per step).",
         "attention_calls",
     ),
+    "vllm:hisparse_worker_steps": (
+        "Steps the HiSparse worker executed, with or without a forward.",
+        "worker_steps",
+    ),
     "vllm:hisparse_forward_steps": ("Steps whose forward ran the HiSparse-managed layers.", "forward_steps"),
     "vllm:hisparse_resolving_steps": ("Steps whose batch had a request with host pages.", "resolving_steps"),
     "vllm:hisparse_device_reads": (

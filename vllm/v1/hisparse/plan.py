@@ -22,11 +22,13 @@ HISPARSE_PLAN_VERSION = 3
 # ModelRunnerOutput.hisparse_counters. On the device: distinct rows loaded from the
 # host pool, found in a hot buffer, and staged beyond it (each summed over layers).
 DEVICE_COUNTERS = ("rows_loaded", "rows_hit", "rows_staged")
-# On the host: resolution plans made (one per top-K selection and step), resolver
-# calls (one per resolved layer and step), attention kernel calls of managed layers,
-# steps whose forward ran those layers, steps that resolved, and the most resolver
-# calls one layer made in one step.
+# On the host: steps the worker executed (with or without a forward), resolution
+# plans made (one per top-K selection and step), resolver calls (one per resolved
+# layer and step), attention kernel calls of managed layers, steps whose forward ran
+# those layers, steps that resolved, and the most resolver calls one layer made in
+# one step.
 HOST_COUNTERS = (
+    "worker_steps",
     "resolution_plans",
     "resolver_calls",
     "attention_calls",

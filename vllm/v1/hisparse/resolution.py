@@ -198,6 +198,7 @@ class HiSparseResolution:
         global _active
         _active = None
         self._step_state = None
+        self.counts["worker_steps"] += 1
         if self.counts["attention_calls"]:
             self.counts["forward_steps"] += 1
         if self._resolved_layers:

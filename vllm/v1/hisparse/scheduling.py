@@ -102,6 +102,9 @@ class HiSparseScheduling:
         # Staging blocks leased for this step's chunks (request -> blocks, group-major),
         # then, per plan, held until the step's output comes back.
         self._staging: dict[str, list[int]] = {}
+        # Chunks fitted with staging that then could not be allocated: their next chunk
+        # takes no staging (the estimate of a chunk's own blocks missed something).
+        self._unplaced: set[str] = set()
         self.staging_rows_leased = 0
         self.chunks_shortened = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
@@ -196,6 +199,10 @@ class HiSparseScheduling:
 
         if not self._staging_blocks(num_new_tokens, host_rows):
             return num_new_tokens
+        if request.request_id in self._unplaced:
+            # Progress first: a chunk that needs no staging rows at all.
+            self.chunks_shortened += 1
+            return min(num_new_tokens, max(1, self.hot_rows // self.index_topk))
         short = needed(num_new_tokens) - self.blocks.num_free_blocks()
         if short > 0:
             self.residency.relieve_pressure(short, frozen=self._frozen)
@@ -394,6 +401,7 @@ class HiSparseScheduling:
         self._return_pending_lease(request.request_id)
         self._return_staging(request.request_id)
         self._frozen.discard(request.request_id)
+        self._unplaced.discard(request.request_id)
         self._connector_hits.pop(request.request_id, None)
         self._restored.pop(request.request_id, None)
         self.residency.finish(request.request_id)
@@ -429,10 +437,12 @@ class HiSparseScheduling:
         for request_id in list(self._staging):
             if request_id not in scheduler_output.num_scheduled_tokens:
                 self._return_staging(request_id)  # the chunk was not scheduled after all
+                self._unplaced.add(request_id)
                 continue
             blocks = self._staging.pop(request_id)
             staging.append(StepStaging(request_id, len(blocks) // k * self.block_size,
                                        tuple(tuple(blocks[g::k]) for g in range(k))))
+        self._unplaced.difference_update(scheduler_output.num_scheduled_tokens)
         self._frozen.clear()
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
