@@ -244,6 +244,12 @@ class HiSparseResolution:
         step = self._step()
         plan = step.plans.get(self.topk_owner[layer_name])
         token_requests = step.token_requests(batch_rows)
+        # On CPU the plan covers only the tokens of requests with HOST pages (a prefill
+        # chunk of a resident request would only add entries that resolve in place); on
+        # CUDA it keeps the batch's fixed shape, which needs no count read back.
+        tokens = None if positions.is_cuda else step.tokens_with_host_pages(batch_rows, token_requests)
+        if tokens is not None:
+            positions, token_requests = positions[tokens], token_requests[tokens]
         if plan is None:
             owner = self.topk_owner[layer_name]
             hot = self._hot.get(owner)
@@ -271,7 +277,11 @@ class HiSparseResolution:
         self._device_counts += plan.counts
         self.counts["resolver_calls"] += 1
         self._resolved_layers[layer_name] = self._resolved_layers.get(layer_name, 0) + 1
-        return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows)
+        if tokens is None:
+            return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows)
+        resolved = rows.clone()
+        resolved[tokens] = apply_resolution(plan, rows[tokens], slot_rows, kv_rows, host_rows, copy_rows)
+        return resolved
 
     def _step(self) -> _Step:
         if self._step_state is None:
@@ -297,6 +307,7 @@ class _Step:
         self._mla_group_ids = resolution.mla_group_ids
         self._device = device
         self._token_requests: dict[tuple[int, int], torch.Tensor] = {}
+        self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         self._slot_rows: dict[tuple[int, int], torch.Tensor] = {}
         self.plans: dict[int, ResolutionPlan] = {}
 
@@ -311,6 +322,14 @@ class _Step:
             of_batch_row[rows] = torch.arange(len(self._batch_rows), device=self._device)
             found = of_batch_row[batch_rows.long().clamp(max=size)]
             self._token_requests[key] = found
+        return found
+
+    def tokens_with_host_pages(self, batch_rows: torch.Tensor, token_requests: torch.Tensor) -> torch.Tensor:
+        """Indices of the tokens whose request has HOST pages (host tensors only: a count)."""
+        key = (batch_rows.data_ptr(), batch_rows.numel())
+        found = self._tokens.get(key)
+        if found is None:
+            found = self._tokens[key] = torch.nonzero(token_requests >= 0).squeeze(1)
         return found
 
     def slot_rows(
