@@ -7,7 +7,7 @@
 ARG VLLM_VERSION=0.29.0
 FROM vllm/vllm-openai:v${VLLM_VERSION}
 
-ARG HISPARSE_WHEEL=vllm-0.29.0+hisparse.1-cp38-abi3-manylinux_2_28_x86_64.whl
+ARG HISPARSE_WHEEL=vllm-0.29.0+hisparse.1-cp38-abi3-manylinux_2_32_x86_64.whl
 COPY dist/${HISPARSE_WHEEL} /tmp/
 
 # Same requirements as the upstream vllm it replaces, so no dependency changes:

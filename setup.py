@@ -13,8 +13,9 @@ from pathlib import Path
 from setuptools import setup
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# Hopper (H200/H100) is the target; sm_90a enables its architecture-specific features.
-CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
+# The GPUs whose sparse-MLA backends resolve through HiSparse (RESOLVING_CUDA_MAJORS in
+# vllm/config/hisparse.py): Hopper (sm_90a) and Blackwell data-centre parts (sm_100a).
+CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a"]
 
 
 def extensions():
@@ -29,8 +30,8 @@ def extensions():
             sources=sources,
             include_dirs=[str(CSRC)],
             py_limited_api=True,
-            extra_compile_args={"cxx": ["-O3", "-DPy_LIMITED_API=0x03080000"],
-                                "nvcc": ["-O3", *CUDA_ARCH_FLAGS]},
+            # -g0 after Python's own CFLAGS (which carry -g): no debug information.
+            extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": ["-O3", *CUDA_ARCH_FLAGS]},
         )
     ]
 

@@ -3,6 +3,7 @@
 // Shapes and dtypes are validated in Python (vllm/v1/hisparse/resolver.py, page_copy.py);
 // here only what the kernel itself relies on is checked.
 
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

