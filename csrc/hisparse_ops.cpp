@@ -1,11 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // Torch binding of the HiSparse CUDA kernels: registers torch.ops._hisparse_C.*.
-// Shapes and dtypes are validated in Python (vllm/v1/hisparse/resolver.py, page_copy.py);
-// here only what the kernel itself relies on is checked.
+//
+// Each op has three implementations:
+// - CUDA: checks what the kernel relies on, then launches it on the current stream;
+// - Meta: the same checks on shapes and dtypes, no work (fake tensors and tracing use it);
+// - CPU: refuses with a message naming the torch reference to call instead.
+// Index values are range-checked in the kernels (an error word, read once per step);
+// duplicates are refused by the Python callers (vllm/v1/hisparse/resolver.py, page_copy.py)
+// before the indices reach the device.
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "hisparse_page_copy.h"
@@ -13,90 +19,161 @@
 
 namespace {
 
-void check_cuda_long(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name,
+              " must be a contiguous 1-D int64 tensor, got ", t.sizes(), " ", t.scalar_type());
 }
 
-// kv_rows: CUDA [rows, width] (any row stride); host_rows: pinned [rows, width], same
-// element size; dst_rows / src_rows: CUDA int64 [n]; copy: CUDA bool [n].
-void copy_host_rows(at::Tensor& kv_rows, const at::Tensor& dst_rows, const at::Tensor& host_rows,
-                    const at::Tensor& src_rows, const at::Tensor& copy) {
-  TORCH_CHECK(kv_rows.is_cuda() && kv_rows.dim() == 2 && kv_rows.stride(1) == 1,
-              "kv_rows must be CUDA rows [rows, width] with contiguous columns");
-  TORCH_CHECK(host_rows.is_pinned() && host_rows.dim() == 2 && host_rows.stride(1) == 1,
-              "host_rows must be pinned host rows [rows, width] with contiguous columns");
+void check_error_word(const at::Tensor& error) {
+  TORCH_CHECK(error.scalar_type() == at::kLong && error.numel() == 1 && error.is_contiguous(),
+              "error must be a one-element int64 tensor (the step's error word)");
+}
+
+void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device());
+}
+
+// kv_rows: [rows, width] with contiguous columns; host_rows: [rows, width] host memory, same
+// row bytes; dst_rows / src_rows: int64 [n]; copy: bool [n]; error: int64 [1] or [].
+void check_copy_host_rows(const at::Tensor& kv_rows, const at::Tensor& dst_rows,
+                          const at::Tensor& host_rows, const at::Tensor& src_rows,
+                          const at::Tensor& copy, const at::Tensor& error) {
+  TORCH_CHECK(kv_rows.dim() == 2 && kv_rows.stride(1) == 1,
+              "kv_rows must be rows [rows, width] with contiguous columns, got ", kv_rows.sizes());
+  TORCH_CHECK(host_rows.dim() == 2 && host_rows.stride(1) == 1,
+              "host_rows must be rows [rows, width] with contiguous columns, got ", host_rows.sizes());
   TORCH_CHECK(kv_rows.size(1) * kv_rows.element_size() == host_rows.size(1) * host_rows.element_size(),
-              "kv_rows and host_rows rows differ in bytes");
-  check_cuda_long(dst_rows, "dst_rows");
-  check_cuda_long(src_rows, "src_rows");
-  TORCH_CHECK(copy.is_cuda() && copy.scalar_type() == at::kBool && copy.is_contiguous(),
-              "copy must be a contiguous CUDA bool tensor");
+              "kv_rows rows are ", kv_rows.size(1) * kv_rows.element_size(), " bytes, host_rows rows ",
+              host_rows.size(1) * host_rows.element_size());
+  check_index(dst_rows, "dst_rows");
+  check_index(src_rows, "src_rows");
+  TORCH_CHECK(copy.scalar_type() == at::kBool && copy.dim() == 1 && copy.is_contiguous(),
+              "copy must be a contiguous 1-D bool tensor");
   TORCH_CHECK(dst_rows.numel() == src_rows.numel() && copy.numel() == dst_rows.numel(),
-              "dst_rows, src_rows and copy must have one entry each");
+              "dst_rows, src_rows and copy must have one entry each, got ", dst_rows.numel(), ", ",
+              src_rows.numel(), " and ", copy.numel());
+  check_error_word(error);
+  for (const auto* t : {&dst_rows, &src_rows, &copy, &error}) check_same_device(*t, kv_rows, "an index");
+}
+
+void copy_host_rows_meta(at::Tensor& kv_rows, const at::Tensor& dst_rows, const at::Tensor& host_rows,
+                         const at::Tensor& src_rows, const at::Tensor& copy, at::Tensor& error) {
+  check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
+}
+
+void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows, const at::Tensor& host_rows,
+                         const at::Tensor& src_rows, const at::Tensor& copy, at::Tensor& error) {
+  check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
+  TORCH_CHECK(kv_rows.is_cuda(), "kv_rows must be a CUDA tensor");
+  TORCH_CHECK(host_rows.is_pinned(), "host_rows must be pinned (or CUDA-registered) host memory");
   const c10::cuda::CUDAGuard guard(kv_rows.device());
   void* host_ptr = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&host_ptr, host_rows.data_ptr(), 0));
   hisparse::RowCopyArgs args{};
   args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
   args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
+  args.kv_num_rows = kv_rows.size(0);
   args.host_rows = static_cast<const char*>(host_ptr);
   args.host_row_stride = host_rows.stride(0) * host_rows.element_size();
+  args.host_num_rows = host_rows.size(0);
   args.dst_rows = dst_rows.data_ptr<int64_t>();
   args.src_rows = src_rows.data_ptr<int64_t>();
   args.copy = copy.data_ptr<bool>();
   args.n = dst_rows.numel();
   args.row_bytes = kv_rows.size(1) * kv_rows.element_size();
+  args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
   C10_CUDA_CHECK(hisparse::launch_copy_host_rows(args, c10::cuda::getCurrentCUDAStream()));
 }
 
-// layer_base / layer_block_stride: CPU int64 [num_layers] (device addresses, bytes);
-// block_ids: CUDA int64 [num_pages, num_layers]; host_pages: CUDA int64 [num_pages].
-void copy_pages(const at::Tensor& layer_base, const at::Tensor& layer_block_stride,
-                int64_t page_bytes, at::Tensor& host_pool, int64_t host_layer_stride,
-                int64_t host_page_stride, const at::Tensor& block_ids,
-                const at::Tensor& host_pages, bool to_host) {
-  TORCH_CHECK(!layer_base.is_cuda() && layer_base.scalar_type() == at::kLong &&
-                  layer_base.is_contiguous(),
-              "layer_base must be a contiguous CPU int64 tensor");
-  TORCH_CHECK(!layer_block_stride.is_cuda() && layer_block_stride.scalar_type() == at::kLong &&
-                  layer_block_stride.numel() == layer_base.numel(),
-              "layer_block_stride must be a CPU int64 tensor, one entry per layer");
-  check_cuda_long(block_ids, "block_ids");
-  check_cuda_long(host_pages, "host_pages");
-  TORCH_CHECK(host_pool.is_pinned(), "host_pool must be pinned host memory");
-  const int64_t num_layers = layer_base.numel();
-  TORCH_CHECK(block_ids.dim() == 2 && block_ids.size(1) == num_layers &&
-                  block_ids.size(0) == host_pages.numel(),
-              "block_ids must be [num_pages, num_layers] and host_pages [num_pages]");
+void copy_host_rows_cpu(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, at::Tensor&) {
+  TORCH_CHECK(false,
+              "_hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA tensors; for CPU tensors "
+              "call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows");
+}
 
-  bool device_aligned16 = true;
-  const int64_t* base = layer_base.data_ptr<int64_t>();
-  const int64_t* stride = layer_block_stride.data_ptr<int64_t>();
+// kv_caches[l]: layer l's cache [num_blocks, block_size, width], contiguous pages (blocks may
+// stride further apart); host_pool: [num_layers, host_pages, block_size, width] contiguous;
+// block_ids: int64 [num_pages, num_layers]; host_pages: int64 [num_pages]; error: int64 [1].
+void check_copy_pages(const at::TensorList kv_caches, const at::Tensor& host_pool,
+                      const at::Tensor& block_ids, const at::Tensor& host_pages, const at::Tensor& error) {
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(num_layers > 0, "kv_caches is empty");
+  TORCH_CHECK(host_pool.dim() == 4 && host_pool.is_contiguous() && host_pool.size(0) == num_layers,
+              "host_pool must be a contiguous [", num_layers, ", host_pages, block_size, width] tensor, got ",
+              host_pool.sizes());
   for (int64_t l = 0; l < num_layers; ++l) {
-    device_aligned16 = device_aligned16 && base[l] % 16 == 0 && stride[l] % 16 == 0;
+    const at::Tensor& cache = kv_caches[l];
+    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == host_pool.size(2) && cache.size(2) == host_pool.size(3),
+                "KV cache of layer ", l, " is ", cache.sizes(), "; pages must be [", host_pool.size(2), ", ",
+                host_pool.size(3), "] like the host pool's");
+    TORCH_CHECK(cache.scalar_type() == host_pool.scalar_type(), "KV cache of layer ", l, " is ",
+                cache.scalar_type(), ", the host pool ", host_pool.scalar_type());
+    TORCH_CHECK(cache.stride(2) == 1 && cache.stride(1) == cache.size(2), "KV cache of layer ", l,
+                " must have contiguous pages");
+    check_same_device(cache, kv_caches[0], "a KV cache");
   }
-  const c10::cuda::CUDAGuard guard(block_ids.device());
-  const auto device_layer_base = layer_base.to(block_ids.device());
-  const auto device_layer_stride = layer_block_stride.to(block_ids.device());
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 2 && block_ids.is_contiguous() &&
+                  block_ids.size(1) == num_layers,
+              "block_ids must be a contiguous int64 [num_pages, ", num_layers, "] tensor, got ", block_ids.sizes());
+  check_index(host_pages, "host_pages");
+  TORCH_CHECK(host_pages.numel() == block_ids.size(0), "block_ids has ", block_ids.size(0),
+              " pages, host_pages ", host_pages.numel());
+  check_error_word(error);
+  for (const auto* t : {&block_ids, &host_pages, &error}) check_same_device(*t, kv_caches[0], "an index");
+}
+
+void copy_pages_meta(at::TensorList kv_caches, at::Tensor& host_pool, const at::Tensor& block_ids,
+                     const at::Tensor& host_pages, bool, at::Tensor& error) {
+  check_copy_pages(kv_caches, host_pool, block_ids, host_pages, error);
+}
+
+void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::Tensor& block_ids,
+                     const at::Tensor& host_pages, bool to_host, at::Tensor& error) {
+  check_copy_pages(kv_caches, host_pool, block_ids, host_pages, error);
+  TORCH_CHECK(kv_caches[0].is_cuda(), "kv_caches must be CUDA tensors");
+  TORCH_CHECK(host_pool.is_pinned(), "host_pool must be pinned (or CUDA-registered) host memory");
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  const int64_t element = host_pool.element_size();
+  // Per layer: block 0's device address, the bytes between blocks, the number of blocks.
+  auto layers = at::empty({3, num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* host_layers = layers.data_ptr<int64_t>();
+  bool device_aligned16 = true;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor& cache = kv_caches[l];
+    host_layers[l] = reinterpret_cast<int64_t>(cache.data_ptr());
+    host_layers[num_layers + l] = cache.stride(0) * element;
+    host_layers[2 * num_layers + l] = cache.size(0);
+    device_aligned16 = device_aligned16 && host_layers[l] % 16 == 0 && host_layers[num_layers + l] % 16 == 0;
+  }
+  const c10::cuda::CUDAGuard guard(kv_caches[0].device());
+  const auto device_layers = layers.to(kv_caches[0].device(), /*non_blocking=*/true);
   void* host_ptr = nullptr;
   C10_CUDA_CHECK(cudaHostGetDevicePointer(&host_ptr, host_pool.data_ptr(), 0));
 
   hisparse::PageCopyArgs args{};
-  args.layer_base = device_layer_base.data_ptr<int64_t>();
-  args.layer_block_stride = device_layer_stride.data_ptr<int64_t>();
+  args.layer_base = device_layers.data_ptr<int64_t>();
+  args.layer_block_stride = args.layer_base + num_layers;
+  args.layer_num_blocks = args.layer_base + 2 * num_layers;
   args.host_pool = static_cast<char*>(host_ptr);
-  args.host_layer_stride = host_layer_stride;
-  args.host_page_stride = host_page_stride;
+  args.host_layer_stride = host_pool.stride(0) * element;
+  args.host_page_stride = host_pool.stride(1) * element;
+  args.num_host_pages = host_pool.size(1);
   args.block_ids = block_ids.data_ptr<int64_t>();
   args.host_pages = host_pages.data_ptr<int64_t>();
   args.num_pages = host_pages.numel();
   args.num_layers = num_layers;
-  args.page_bytes = page_bytes;
+  args.page_bytes = host_pool.size(2) * host_pool.size(3) * element;
   args.to_host = to_host;
   args.device_aligned16 = device_aligned16;
+  args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
   C10_CUDA_CHECK(hisparse::launch_copy_pages(args, c10::cuda::getCurrentCUDAStream()));
+}
+
+void copy_pages_cpu(at::TensorList, at::Tensor&, const at::Tensor&, const at::Tensor&, bool, at::Tensor&) {
+  TORCH_CHECK(false,
+              "_hisparse_C::copy_pages is the CUDA kernel and needs CUDA tensors; for CPU tensors "
+              "call the torch reference, vllm.v1.hisparse.page_copy.copy_pages");
 }
 
 }  // namespace
@@ -104,14 +181,23 @@ void copy_pages(const at::Tensor& layer_base, const at::Tensor& layer_block_stri
 TORCH_LIBRARY(_hisparse_C, m) {
   m.def(
       "copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, Tensor host_rows, Tensor src_rows, "
-      "Tensor copy) -> ()");
+      "Tensor copy, Tensor(b!) error) -> ()");
   m.def(
-      "copy_pages(Tensor layer_base, Tensor layer_block_stride, int page_bytes, "
-      "Tensor(a!) host_pool, int host_layer_stride, int host_page_stride, Tensor block_ids, "
-      "Tensor host_pages, bool to_host) -> ()");
+      "copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, Tensor block_ids, Tensor host_pages, "
+      "bool to_host, Tensor(c!) error) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CUDA, m) {
-  m.impl("copy_host_rows", &copy_host_rows);
-  m.impl("copy_pages", &copy_pages);
+  m.impl("copy_host_rows", &copy_host_rows_cuda);
+  m.impl("copy_pages", &copy_pages_cuda);
+}
+
+TORCH_LIBRARY_IMPL(_hisparse_C, Meta, m) {
+  m.impl("copy_host_rows", &copy_host_rows_meta);
+  m.impl("copy_pages", &copy_pages_meta);
+}
+
+TORCH_LIBRARY_IMPL(_hisparse_C, CPU, m) {
+  m.impl("copy_host_rows", &copy_host_rows_cpu);
+  m.impl("copy_pages", &copy_pages_cpu);
 }

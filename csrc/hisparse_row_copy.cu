@@ -9,6 +9,10 @@
 // back from the device. One warp copies one row from pinned host memory through
 // its device mapping, in 16-byte words when rows and strides allow; entries
 // never share a destination (each miss has its own slot), so warps never race.
+// Every decision is read from the read-only plan arrays; no thread waits on
+// another. Rows are range-checked: an entry outside its table copies nothing
+// and raises kErrorRowOutOfBounds in the step's error word (the reference
+// raises at once; the worker reads the word once per step).
 //
 // This file has no torch dependency so it compiles with plain nvcc; the torch
 // binding is csrc/hisparse_ops.cpp.
@@ -28,9 +32,14 @@ __global__ void copy_host_rows_kernel(RowCopyArgs args) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= args.n || !args.copy[warp]) return;
-  const word_t* src =
-      reinterpret_cast<const word_t*>(args.host_rows + args.src_rows[warp] * args.host_row_stride);
-  word_t* dst = reinterpret_cast<word_t*>(args.kv_rows + args.dst_rows[warp] * args.kv_row_stride);
+  const int64_t src_row = args.src_rows[warp];
+  const int64_t dst_row = args.dst_rows[warp];
+  if (src_row < 0 || src_row >= args.host_num_rows || dst_row < 0 || dst_row >= args.kv_num_rows) {
+    if (lane == 0) atomicOr(args.error, kErrorRowOutOfBounds);
+    return;
+  }
+  const word_t* src = reinterpret_cast<const word_t*>(args.host_rows + src_row * args.host_row_stride);
+  word_t* dst = reinterpret_cast<word_t*>(args.kv_rows + dst_row * args.kv_row_stride);
   const int64_t words = args.row_bytes / static_cast<int64_t>(sizeof(word_t));
   for (int64_t w = lane; w < words; w += 32) dst[w] = src[w];
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_build import CudaBuildError, build_extension, upstream_torch_requirement
-from upstream import REPO, UPSTREAM_WHEEL_TAG, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour
+from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour
 
 from patches import PatchError, Series, load_series, sha256_hex
 
@@ -85,6 +85,14 @@ def stamp_version(text: str, pin: Pin, flavour: Flavour) -> str:
     return text
 
 
+def rewrite_wheel_tags(text: str, tag: str) -> str:
+    """The WHEEL file with one `Tag:`, the wheel's own (upstream's may name another platform)."""
+    lines = [line for line in text.splitlines() if not line.startswith("Tag: ")]
+    at = next((i for i, line in enumerate(lines) if not line.strip()), len(lines))
+    lines.insert(at, f"Tag: {tag}")
+    return "\n".join(lines) + "\n"
+
+
 def compose(upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavour,
             extension: dict[str, bytes]) -> None:
     old_info = f"{pin.upstream_distribution(flavour).replace('-', '_')}-{pin.version}.dist-info/"
@@ -111,7 +119,7 @@ def compose(upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavou
                 if name.endswith("/METADATA"):
                     data = rewrite_metadata(data.decode(), pin, flavour).encode()
                 elif name.endswith("/WHEEL"):
-                    data = data.decode().replace(UPSTREAM_WHEEL_TAG, pin.wheel_tag(flavour)).encode()
+                    data = rewrite_wheel_tags(data.decode(), pin.wheel_tag(flavour)).encode()
             elif name == VERSION_FILE:
                 data = stamp_version(data.decode(), pin, flavour).encode()
             elif name in targets:

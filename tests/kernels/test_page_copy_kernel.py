@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_build import compile_for_sm90a, hisparse_ops
+from kernel_build import compile_for_sm90a, hisparse_ops
 
 from vllm.v1.hisparse.page_copy import copy_pages
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_build import compile_for_sm90a, hisparse_ops
+from kernel_build import compile_for_sm90a, hisparse_ops
 from resolver_cases import BLOCK, StagingOverflow, brute_force, build
 
 from vllm.v1.hisparse.resolver import HotState, copy_host_rows, resolve_topk_slots
@@ -26,7 +26,7 @@ def test_without_the_extension_a_gpu_resolution_fails_instead_of_reading_wrong_r
     rows = torch.zeros((4, 2), device="cuda")
     index = torch.zeros(1, dtype=torch.long, device="cuda")
     copy = torch.ones(1, dtype=torch.bool, device="cuda")
-    with pytest.raises(RuntimeError, match="needs its row copy kernel"):
+    with pytest.raises(RuntimeError, match="needs its compiled kernels"):
         copy_host_rows(rows, index, torch.zeros((4, 2)), index, copy, use_kernel=False)
 
 

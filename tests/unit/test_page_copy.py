@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm.v1.hisparse.page_copy import copy_pages
+from vllm.v1.hisparse.page_copy import PageCopyError, copy_pages
 
 BLOCK, WIDTH = 4, 6
 
@@ -86,3 +86,40 @@ def test_bad_arguments_are_refused_with_what_was_wrong(change, message):
     args = change(caches, host, torch.tensor([[0, 1]]), torch.tensor([1]))
     with pytest.raises(ValueError, match=message):
         copy_pages(*args, to_host=True)
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "host_pages", "to_host", "message"),
+    [
+        ([[3, 0]], [1], True, "a block of layer 0 is outside"),
+        ([[0, -1]], [1], False, "a block of layer 1 is outside"),
+        ([[0, 1]], [2], True, "a host page is outside"),
+        ([[0, 1]], [-1], False, "a host page is outside"),
+        ([[0, 1], [2, 2]], [1, 1], True, "a host page is the destination of two pages"),
+        ([[0, 1], [0, 2]], [0, 1], False, "a block of layer 0 is the destination of two pages"),
+    ],
+)
+def test_out_of_bounds_and_duplicate_destinations_are_refused_before_anything_is_written(
+    block_ids, host_pages, to_host, message
+):
+    caches = block_strided_caches(2, 3, 0)
+    host = torch.randn(2, 2, BLOCK, WIDTH)
+    before = [c.clone() for c in caches], host.clone()
+    with pytest.raises(PageCopyError, match=message):
+        copy_pages(caches, host, torch.tensor(block_ids), torch.tensor(host_pages), to_host)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before[0], strict=True))
+    assert torch.equal(host, before[1])
+
+
+def test_one_host_page_may_be_the_source_of_several_restores():
+    caches = block_strided_caches(1, 3, 0)
+    host = torch.randn(1, 2, BLOCK, WIDTH)
+    copy_pages(caches, host, torch.tensor([[0], [2]]), torch.tensor([1, 1]), to_host=False)
+    assert torch.equal(caches[0][0], host[0, 1]) and torch.equal(caches[0][2], host[0, 1])
+
+
+def test_device_index_tensors_are_refused():
+    caches = block_strided_caches(1, 3, 0)
+    host = torch.randn(1, 2, BLOCK, WIDTH)
+    with pytest.raises(ValueError, match="must be host tensors"):
+        copy_pages(caches, host, torch.tensor([[0]], device="meta"), torch.tensor([1]), to_host=True)

@@ -14,6 +14,7 @@ from vllm.v1.hisparse.resolver import (
     ERROR_STAGING_OVERFLOW,
     HotState,
     ResolverError,
+    copy_host_rows,
     plan_resolution,
     resolve_topk_slots,
 )
@@ -156,3 +157,78 @@ def test_bad_shapes_are_refused_with_the_shapes_seen():
         resolve(replace(s, hot=HotState(s.hot.positions, s.hot.stamps.int())))
     with pytest.raises(ValueError, match="staging_slots and table_rows must be"):
         resolve(replace(s, staging_slots=torch.zeros(2, dtype=torch.int64)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=st.integers(0, 2**20),
+    num_reqs=st.integers(1, 3),
+    hot_slots=st.integers(1, 12),
+    tokens=st.integers(1, 5),
+    topk=st.integers(1, 6),
+    hot_fill=st.integers(0, 12),
+    staging=st.integers(0, 8),
+)
+def test_a_plan_never_copies_two_rows_into_one_destination(seed, num_reqs, hot_slots, tokens, topk, hot_fill,
+                                                           staging):
+    """The row copy kernel's warps never race: every copied entry has its own destination row."""
+    s = build(seed, num_reqs, 4, hot_slots, tokens, topk, 0.3, hot_fill, staging)
+    if not len(s.table_rows):
+        return
+    plan = plan_resolution(s.positions, s.token_requests, s.host_page_table, BLOCK, s.hot, s.staging_slots,
+                           s.step, s.table_rows)
+    destinations = s.slot_rows[plan.load_request, plan.load_slot][plan.load]
+    assert torch.unique(destinations).numel() == destinations.numel()
+
+
+@pytest.mark.parametrize(
+    ("dst", "src", "message"),
+    [
+        ([0, 9], [0, 1], r"a destination row is outside \[0, 9\)"),
+        ([-1, 2], [0, 1], "a destination row is outside"),
+        ([0, 1], [0, 4], r"a host row is outside \[0, 4\)"),
+        ([3, 3], [0, 1], "two copies write one destination row"),
+    ],
+)
+def test_the_row_copy_reference_raises_on_out_of_bounds_rows_and_shared_destinations(dst, src, message):
+    kv_rows = torch.zeros(9, 3)
+    host_rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    with pytest.raises(ResolverError, match=message):
+        copy_host_rows(kv_rows, torch.tensor(dst), host_rows, torch.tensor(src),
+                       torch.ones(2, dtype=torch.bool))
+    assert not kv_rows.any(), "nothing is written"
+
+
+def test_masked_entries_are_not_checked_or_copied():
+    kv_rows = torch.zeros(9, 3)
+    host_rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    copy_host_rows(kv_rows, torch.tensor([2, 99]), host_rows, torch.tensor([1, -5]),
+                   torch.tensor([True, False]))
+    assert torch.equal(kv_rows[2], host_rows[1]) and kv_rows.sum() == host_rows[1].sum()
+
+
+def test_a_token_request_outside_the_hot_state_is_an_error_not_an_out_of_bounds_read():
+    s = one_request(5, hot_slots=2)
+    with pytest.raises(ResolverError, match="request row is outside the step's hot state"):
+        resolve(replace(s, token_requests=torch.full_like(s.token_requests, 1)))
+    with pytest.raises(ResolverError, match="request row is outside the step's hot state"):
+        resolve(replace(s, table_rows=s.table_rows + s.host_page_table.shape[0]))
+
+
+def test_error_bits_match_the_kernels():
+    """csrc/hisparse_errors.h and the Python error bits are one table."""
+    import re
+    from pathlib import Path
+
+    from vllm.v1.hisparse import page_copy, resolver
+
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "hisparse_errors.h").read_text()
+    bits = {name: int(value) for name, value in re.findall(r"kError(\w+) = (\d+)ull", header)}
+    assert bits == {"RowOutOfBounds": resolver.ERROR_ROW_OUT_OF_BOUNDS,
+                    "PageOutOfBounds": resolver.ERROR_PAGE_OUT_OF_BOUNDS}
+    assert page_copy.ERROR_PAGE_OUT_OF_BOUNDS == resolver.ERROR_PAGE_OUT_OF_BOUNDS
+    every = [v for k, v in vars(resolver).items() if k.startswith("ERROR_")]
+    assert len(set(every)) == len(every) and all(v & (v - 1) == 0 for v in every), "distinct single bits"
+    for bit in every:
+        with pytest.raises(ResolverError):
+            resolver.check_resolution_error(bit)

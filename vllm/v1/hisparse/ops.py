@@ -6,7 +6,11 @@ CUDA kernel (`resolver.py`, `page_copy.py`) agrees on whether it exists. The
 CUDA wheel builds the extension from csrc/; the CPU wheel has none, and the
 torch references run there.
 
-It never chooses what to run; callers ask `cuda_kernels_available()` and pick.
+On a CUDA host the kernels are required: `require_cuda_kernels` raises with
+the cause (not installed, or the library failed to load, with the loader's own
+message) and the worker calls it at start-up, so a GPU never silently runs a
+torch fallback. It never chooses what to run; callers ask
+`cuda_kernels_available()` and pick.
 """
 
 from __future__ import annotations
@@ -16,14 +20,61 @@ from pathlib import Path
 
 import torch
 
+OPS = ("copy_host_rows", "copy_pages")
 
-@functools.cache
-def cuda_kernels_available() -> bool:
-    """Load the compiled HiSparse extension once; False where it was not built or no CUDA device."""
+
+def ops_registered() -> bool:
+    """Whether `torch.ops._hisparse_C` has every op (loaded from the wheel, or a JIT build)."""
+    try:
+        namespace = torch.ops._hisparse_C
+        return all(hasattr(namespace, op) for op in OPS)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _package_dir() -> Path:
     import vllm
 
-    libraries = sorted(Path(vllm.__file__).parent.glob("_hisparse_C*.so"))
-    if not libraries or not torch.cuda.is_available():
-        return False
-    torch.ops.load_library(str(libraries[0]))
-    return True
+    if vllm.__file__:
+        return Path(vllm.__file__).parent
+    return Path(next(iter(vllm.__path__)))  # a source tree on sys.path, without vLLM installed
+
+
+def extension_problem(package_dir: Path | None = None) -> str | None:
+    """None when the extension's ops are registered (loading the library if needed), else why not."""
+    if ops_registered():
+        return None
+    return _load(package_dir or _package_dir())
+
+
+@functools.cache
+def _load(package_dir: Path) -> str | None:
+    libraries = sorted(package_dir.glob("_hisparse_C*.so"))
+    if not libraries:
+        return (
+            f"the extension vllm/_hisparse_C.abi3.so is not in this installation ({package_dir}); "
+            "the CPU wheel has none: install the CUDA wheel (`make wheel FLAVOUR=cuda`)"
+        )
+    try:
+        torch.ops.load_library(str(libraries[0]))
+    except (OSError, RuntimeError) as e:
+        reason = e.__cause__ or e  # torch wraps the dynamic loader's own message
+        return (
+            f"{libraries[0]} failed to load ({reason}); it must be built for this torch "
+            f"({torch.__version__}) and a glibc at least as new as its wheel tag names"
+        )
+    if not ops_registered():
+        return f"{libraries[0]} loaded but does not register torch.ops._hisparse_C.{{{', '.join(OPS)}}}"
+    return None
+
+
+def cuda_kernels_available() -> bool:
+    """Whether the compiled kernels can run here: a CUDA device and the extension loaded."""
+    return torch.cuda.is_available() and extension_problem() is None
+
+
+def require_cuda_kernels(package_dir: Path | None = None) -> None:
+    """Raise, naming the cause, unless the extension's ops are registered."""
+    problem = extension_problem(package_dir)
+    if problem is not None:
+        raise RuntimeError(f"Hybrid HiSparse on CUDA needs its compiled kernels: {problem}")

@@ -9,7 +9,7 @@ slot `[l, host_pages[n]]` hold the same bytes, copied device -> host
 every layer goes in one call: one kernel launch on CUDA, ordered on the current
 stream; on other devices one indexed copy per layer (the torch reference).
 
-It validates shapes, dtypes and devices with clear errors; it never decides
+It validates shapes, dtypes, devices, bounds and duplicates with clear errors; it never decides
 what to copy.
 """
 
@@ -19,7 +19,15 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm.v1.hisparse.ops import cuda_kernels_available
+from vllm.v1.hisparse.ops import cuda_kernels_available, require_cuda_kernels
+
+# The kernel's bit in a step's error word (csrc/hisparse_errors.h; resolver.py re-exports
+# every bit and raises for them once per step).
+ERROR_PAGE_OUT_OF_BOUNDS = 8
+
+
+class PageCopyError(ValueError):
+    """A page copy named a block or host page outside its table, or a destination twice."""
 
 
 def copy_pages(
@@ -29,6 +37,7 @@ def copy_pages(
     host_pages: torch.Tensor,
     to_host: bool,
     use_kernel: bool | None = None,
+    error: torch.Tensor | None = None,
 ) -> None:
     """Copy pages of every layer between `kv_caches` and `host_pool`.
 
@@ -36,33 +45,50 @@ def copy_pages(
     strided further apart than a page). host_pool: [num_layers, num_host_pages,
     block_size, width], contiguous. block_ids: [num_pages, num_layers] int64,
     the block of each page in each layer's group. host_pages: [num_pages] int64.
+    Both index tensors are host tensors, refused up front when a destination
+    repeats (a host page when `to_host`, a layer's block otherwise): two copies
+    into one destination would race on a GPU.
     `use_kernel`: None picks the CUDA kernel for CUDA caches when the extension is
     built, the reference otherwise; True or False forces one (the kernel needs
     CUDA caches, a pinned host pool and the `copy_pages` op registered).
+    Out-of-bounds indices: the reference raises `PageCopyError`; the kernel skips
+    the page and sets ERROR_PAGE_OUT_OF_BOUNDS in `error`, the step's error word
+    on the caches' device, which the worker reads once per step (without `error`,
+    this call reads its own word back and raises: for tools and tests).
     """
-    _validate(kv_caches, host_pool, block_ids, host_pages)
+    _validate(kv_caches, host_pool, block_ids, host_pages, to_host)
     if use_kernel is None:
         use_kernel = kv_caches[0].is_cuda and cuda_kernels_available()
     if not host_pages.numel():
         return
     if use_kernel:
         if not host_pool.is_pinned():
-            raise ValueError("the host pool must be pinned memory for the CUDA page copy")
-        element = host_pool.element_size()
+            raise ValueError("the page copy kernel needs a pinned (or CUDA-registered) host pool")
         device = kv_caches[0].device
+        own_error = error is None
+        word = torch.zeros((), dtype=torch.int64, device=device) if own_error else error
         torch.ops._hisparse_C.copy_pages(
-            torch.tensor([c.data_ptr() for c in kv_caches], dtype=torch.int64),
-            torch.tensor([c.stride(0) * element for c in kv_caches], dtype=torch.int64),
-            host_pool[0, 0].numel() * element,
+            list(kv_caches),
             host_pool,
-            host_pool.stride(0) * element,
-            host_pool.stride(1) * element,
-            block_ids.to(device, torch.int64).contiguous(),
-            host_pages.to(device, torch.int64).contiguous(),
+            block_ids.to(device, torch.int64, non_blocking=True).contiguous(),
+            host_pages.to(device, torch.int64, non_blocking=True).contiguous(),
             to_host,
+            word,
         )
+        if own_error and int(word) & ERROR_PAGE_OUT_OF_BOUNDS:
+            raise PageCopyError("HiSparse page copy: a device block or host page was out of bounds (skipped)")
         return
-    host_index = host_pages.long().cpu()
+    if kv_caches[0].is_cuda:
+        require_cuda_kernels()
+    host_index = host_pages.long()
+    if bool((host_index < 0).any() | (host_index >= host_pool.shape[1]).any()):
+        raise PageCopyError(f"HiSparse page copy: a host page is outside [0, {host_pool.shape[1]})")
+    for layer, cache in enumerate(kv_caches):
+        blocks = block_ids[:, layer].long()
+        if bool((blocks < 0).any() | (blocks >= cache.shape[0]).any()):
+            raise PageCopyError(
+                f"HiSparse page copy: a block of layer {layer} is outside [0, {cache.shape[0]})"
+            )
     for layer, cache in enumerate(kv_caches):
         blocks = block_ids[:, layer].long().to(cache.device)
         if to_host:
@@ -76,6 +102,7 @@ def _validate(
     host_pool: torch.Tensor,
     block_ids: torch.Tensor,
     host_pages: torch.Tensor,
+    to_host: bool,
 ) -> None:
     if host_pool.dim() != 4 or not host_pool.is_contiguous():
         raise ValueError(
@@ -109,3 +136,13 @@ def _validate(
             f"host_pages must be [{block_ids.shape[0]}] int32/int64, got "
             f"{tuple(host_pages.shape)} {host_pages.dtype}"
         )
+    if block_ids.device.type != "cpu" or host_pages.device.type != "cpu":
+        raise ValueError("block_ids and host_pages must be host tensors (checked before reaching the device)")
+    # Two copies into one destination would race on a GPU (sources may repeat).
+    if to_host and torch.unique(host_pages).numel() != host_pages.numel():
+        raise PageCopyError("HiSparse page copy: a host page is the destination of two pages in one copy")
+    for layer in range(block_ids.shape[1] if not to_host else 0):
+        if torch.unique(block_ids[:, layer]).numel() != block_ids.shape[0]:
+            raise PageCopyError(
+                f"HiSparse page copy: a block of layer {layer} is the destination of two pages in one copy"
+            )

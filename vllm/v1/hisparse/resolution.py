@@ -278,9 +278,11 @@ class HiSparseResolution:
         self.counts["resolver_calls"] += 1
         self._resolved_layers[layer_name] = self._resolved_layers.get(layer_name, 0) + 1
         if tokens is None:
-            return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows)
+            return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows, self.error)
         resolved = rows.clone()
-        resolved[tokens] = apply_resolution(plan, rows[tokens], slot_rows, kv_rows, host_rows, copy_rows)
+        resolved[tokens] = apply_resolution(
+            plan, rows[tokens], slot_rows, kv_rows, host_rows, copy_rows, self.error
+        )
         return resolved
 
     def _step(self) -> _Step:

@@ -47,13 +47,17 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.hisparse.ops import cuda_kernels_available
+from vllm.v1.hisparse.ops import cuda_kernels_available, require_cuda_kernels
 
 # Keys are request * KEY_STRIDE + position: positions stay far below 2**40.
 KEY_STRIDE = 1 << 40
-# Bits of `ResolutionPlan.error`.
+# Bits of a step's error word (`ResolutionPlan.error`, the kernels' `error` argument).
+# The kernels' bits are csrc/hisparse_errors.h's, kept equal by a test.
 ERROR_STAGING_OVERFLOW = 1
 ERROR_NOT_IN_HOST_POOL = 2
+ERROR_ROW_OUT_OF_BOUNDS = 4
+ERROR_PAGE_OUT_OF_BOUNDS = 8
+ERROR_REQUEST_OUT_OF_BOUNDS = 16
 
 
 class ResolverError(RuntimeError):
@@ -148,7 +152,14 @@ def plan_resolution(
     hot_slots = hot.positions.shape[1]
     num_entries = num_tokens * topk
     pos = positions.long()
-    entry_request = token_requests.long().unsqueeze(1).expand(num_tokens, topk)
+    # A request row outside the hot state, or a table row outside the page table, is an
+    # accounting error: flagged, and read as resident so every gather stays in bounds.
+    out_of_bounds = ((token_requests < -1) | (token_requests >= num_requests)).any() | (
+        (table_rows < 0) | (table_rows >= host_page_table.shape[0])
+    ).any()
+    token_requests = torch.where(token_requests < num_requests, token_requests.long(), -1)
+    table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
+    entry_request = token_requests.unsqueeze(1).expand(num_tokens, topk)
     page = pos.clamp(min=0) // block_size
     candidate = (pos >= 0) & (entry_request >= 0) & (page < num_pages)
     host_page = host_page_table[table_rows[entry_request.clamp(min=0)], page.clamp(max=max(num_pages - 1, 0))]
@@ -233,7 +244,11 @@ def plan_resolution(
     last_page = max(num_pages - 1, 0)
     source_page = host_page_table[table_rows[request], (position // block_size).clamp(max=last_page)]
     not_in_pool = load & (source_page < 0)
-    error = overflow.any().long() * ERROR_STAGING_OVERFLOW + not_in_pool.any().long() * ERROR_NOT_IN_HOST_POOL
+    error = (
+        overflow.any().long() * ERROR_STAGING_OVERFLOW
+        + not_in_pool.any().long() * ERROR_NOT_IN_HOST_POOL
+        + out_of_bounds.long() * ERROR_REQUEST_OUT_OF_BOUNDS
+    )
     return ResolutionPlan(
         on_host=on_host,
         entry_request=entry_request,
@@ -254,6 +269,7 @@ def apply_resolution(
     kv_rows: torch.Tensor,
     host_rows: torch.Tensor,
     copy_rows: torch.Tensor | None = None,
+    error: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Replay `plan` for one layer: copy its misses, return the rows attention reads.
 
@@ -262,11 +278,15 @@ def apply_resolution(
     slot_rows [M, H + S]: each request's hot and staging slots in the index
     space of `rows`. copy_rows: the same slots as rows of `kv_rows` (default
     `slot_rows`: the same index space); misses are copied there from
-    `host_rows`, this layer's host pool as rows.
+    `host_rows`, this layer's host pool as rows. `error`: the step's error word
+    the row copy kernel raises bits in (default: the plan's own).
     """
     copy_rows = slot_rows if copy_rows is None else copy_rows
     destination = copy_rows[plan.load_request, plan.load_slot]
-    copy_host_rows(kv_rows, destination, host_rows, plan.load_host_row, plan.load)
+    copy_host_rows(
+        kv_rows, destination, host_rows, plan.load_host_row, plan.load,
+        error=plan.error if error is None else error,
+    )
     resolved = slot_rows[plan.entry_request, plan.entry_slot].to(rows.dtype)
     return torch.where(plan.on_host, resolved, rows)
 
@@ -278,28 +298,43 @@ def copy_host_rows(
     src_rows: torch.Tensor,
     copy: torch.Tensor,
     use_kernel: bool | None = None,
+    error: torch.Tensor | None = None,
 ) -> None:
     """For every i with copy[i]: device row dst_rows[i] of kv_rows = host row src_rows[i].
 
-    The entries are a plan's fixed-size per-entry arrays, masked by `copy` (no two
-    copied entries share a destination), so nothing waits for a count. On CUDA
-    caches the extension's kernel reads the pinned host pool through its device
-    mapping, ordered on the current stream (csrc/hisparse_row_copy.cu); the torch
-    reference below serves everywhere else. `use_kernel` forces one.
+    The entries are a plan's fixed-size per-entry arrays, masked by `copy`, so
+    nothing waits for a count. Copied entries must not share a destination and
+    every row must lie in its table. On CUDA caches the extension's kernel reads
+    the pinned host pool through its device mapping, ordered on the current
+    stream (csrc/hisparse_row_copy.cu): it skips an entry out of bounds and sets
+    ERROR_ROW_OUT_OF_BOUNDS in `error`, the step's error word, which the worker
+    reads once per step (without `error`, this call reads its own word back and
+    raises: for tools and tests, not the serving path). The torch reference below
+    serves everywhere else and raises `ResolverError` at once. `use_kernel` forces one.
     """
     if use_kernel is None:
         use_kernel = kv_rows.is_cuda and cuda_kernels_available()
     if use_kernel:
+        own_error = error is None
+        word = torch.zeros((), dtype=torch.int64, device=kv_rows.device) if own_error else error
         torch.ops._hisparse_C.copy_host_rows(
-            kv_rows, dst_rows.long().contiguous(), host_rows, src_rows.long().contiguous(), copy.contiguous()
+            kv_rows, dst_rows.long().contiguous(), host_rows, src_rows.long().contiguous(), copy.contiguous(),
+            word,
         )
+        if own_error:
+            check_resolution_error(int(word))
         return
     if kv_rows.is_cuda:
-        raise RuntimeError(
-            "HiSparse: the CUDA extension vllm._hisparse_C is not loaded; resolving host rows on a GPU "
-            "needs its row copy kernel (install the CUDA wheel, which builds it)"
-        )
-    kv_rows[dst_rows[copy]] = host_rows[src_rows[copy]]
+        require_cuda_kernels()
+    dst, src = dst_rows[copy].long(), src_rows[copy].long()
+    if dst.numel():
+        if bool((dst < 0).any() | (dst >= kv_rows.shape[0]).any()):
+            raise ResolverError(f"HiSparse row copy: a destination row is outside [0, {kv_rows.shape[0]})")
+        if bool((src < 0).any() | (src >= host_rows.shape[0]).any()):
+            raise ResolverError(f"HiSparse row copy: a host row is outside [0, {host_rows.shape[0]})")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ResolverError("HiSparse row copy: two copies write one destination row")
+    kv_rows[dst] = host_rows[src]
 
 
 def resolve_topk_slots(
@@ -333,6 +368,12 @@ def check_resolution_error(error: int) -> None:
         )
     if error & ERROR_NOT_IN_HOST_POOL:
         raise ResolverError("HiSparse: a selected position is neither resident nor in the host pool")
+    if error & ERROR_REQUEST_OUT_OF_BOUNDS:
+        raise ResolverError("HiSparse: a token's request row is outside the step's hot state")
+    if error & ERROR_ROW_OUT_OF_BOUNDS:
+        raise ResolverError("HiSparse row copy: a destination or host row was out of bounds (copy skipped)")
+    if error & ERROR_PAGE_OUT_OF_BOUNDS:
+        raise ResolverError("HiSparse page copy: a device block or host page was out of bounds (skipped)")
 
 
 def _validate(

@@ -5,7 +5,9 @@ Owns, per worker:
 - the host pool: one allocation of `host_pool_gib` laid out
   [sparse-MLA layer, host page, 64 rows, latent width], so one page of every
   sparse-MLA layer is `pool[:, page]` and each layer's pool is plain rows for
-  the resolver (pinned memory on CUDA, plain memory on CPU);
+  the resolver, in one mapping of exactly its size (`host_memory.py`:
+  registered with CUDA on a GPU, plain memory on CPU); on a GPU the compiled
+  kernels must load first (`ops.require_cuda_kernels`);
 - before the step's metadata is built: the step's host->device restores (the
   sparse-MLA pages of a KV connector hit, into the blocks allocated for them),
   its block-table point updates (a demoted page's entries become the null
@@ -33,7 +35,9 @@ import torch
 
 from vllm.config.hisparse import RESOLVING_BACKENDS, SPARSE_MLA_PAGE_TOKENS, host_pool_pages, plans_executable
 from vllm.logger import init_logger
+from vllm.v1.hisparse.host_memory import HostPoolMemory
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_group_ids
+from vllm.v1.hisparse.ops import require_cuda_kernels
 from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
 from vllm.v1.hisparse.resolution import HiSparseResolution, impl_resolves, topk_owner_of_layer
@@ -121,12 +125,14 @@ class HiSparseWorker:
         num_host_pages: int,
         topk_owner: dict[str, int] | None = None,
         max_pages: int | None = None,
+        host_pool_gib: float | None = None,
     ) -> None:
         """`group_of_layer`: the KV cache group of each layer whose pages move (the
         resident group, indexer and MTP drafter, reads in place); `hot_rows`: rows of
         a hot buffer; `num_host_pages`: pages of the host pool; `topk_owner`: the
         decoder layer whose top-K each layer reads (default: its own); `max_pages`:
-        pages of the longest request (default: the host pool's)."""
+        pages of the longest request (default: the host pool's); `host_pool_gib`: the
+        configured pool size, named if the pool does not fit in host RAM."""
         self.group_of_layer = dict(group_of_layer)
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layers = list(self.group_of_layer)
@@ -140,11 +146,15 @@ class HiSparseWorker:
         self.block_size = first.shape[1]
         width = first.shape[2]
         pin = first.is_cuda
-        self.host_pool = torch.empty(
+        if pin:
+            require_cuda_kernels()  # before the pool: no torch fallback on a GPU
+        self.host_memory = HostPoolMemory(
             (len(self.layers), num_host_pages, self.block_size, width),
-            dtype=first.dtype,
-            pin_memory=pin,
+            first.dtype,
+            register=pin,
+            host_pool_gib=host_pool_gib,
         )
+        self.host_pool = self.host_memory.tensor
         self.runner = runner
         self._plan: HiSparseStepPlan | None = None
         self._layer_column: tuple[int, ...] | None = None
@@ -207,7 +217,7 @@ class HiSparseWorker:
         plan, self._plan = self._plan, None
         if plan is None:
             return output
-        self._copy_pages(plan, plan.copies, to_host=True)
+        self._copy_pages(plan, plan.copies, to_host=True, error=error)
         copies = [(c.request_id, c.page_index) for c in plan.copies]
         self.reports.submit(copies, device_counts, error, host_counts)
         copied, counters, error_bits = self.reports.collect()
@@ -220,11 +230,13 @@ class HiSparseWorker:
 
     def _run_restores(self, plan: HiSparseStepPlan) -> None:
         """Host -> device into a connector hit's blocks, ordered before the forward."""
-        self._copy_pages(plan, plan.restores, to_host=False)
+        self._copy_pages(plan, plan.restores, to_host=False, error=self.resolution.error)
 
     def _copy_pages(
-        self, plan: HiSparseStepPlan, pages: Sequence[PageCopy | PageRestore], to_host: bool
+        self, plan: HiSparseStepPlan, pages: Sequence[PageCopy | PageRestore], to_host: bool,
+        error: torch.Tensor,
     ) -> None:
+        """One batched copy; an index out of bounds raises a bit in the step's `error` word."""
         if not pages:
             return
         if self._layer_column is None:
@@ -233,7 +245,7 @@ class HiSparseWorker:
         column = self._layer_column
         block_ids = torch.tensor([[page.block_ids[c] for c in column] for page in pages], dtype=torch.int64)
         host_pages = torch.tensor([page.host_page for page in pages], dtype=torch.int64)
-        copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host)
+        copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host, error=error)
 
 
 def _empty_output():
@@ -275,6 +287,7 @@ def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> H
         num_host_pages=host_pool_pages(runner.vllm_config),
         topk_owner=topk_owner_of_layer(group_of_layer, indexers),
         max_pages=-(-max_len // SPARSE_MLA_PAGE_TOKENS) + 1,
+        host_pool_gib=config.host_pool_gib,
     )
 
 

@@ -1,0 +1,195 @@
+"""Every GPU check of the HiSparse kernels, in one command, on a bare GPU machine.
+
+Usage: python3 scripts/gpu_check.py [--out docs/kernels.md] [--quick]
+
+Needs torch with CUDA and nvcc (no vLLM, no network). It:
+1. builds csrc/ just in time for this GPU (sm_90a on Hopper, sm_100a on Blackwell);
+2. runs tests/kernels (pytest, when installed) at production shapes;
+3. runs the shared production-shape checks itself (tests/support/kernel_checks.py),
+   so the verdicts are there without pytest too: resolution of 128 decode requests
+   (fp8_ds_mla and bf16 rows; 0%, 10% and 50% misses), an 8K-token prefill chunk,
+   page copies of an 8K-token chunk both ways, out-of-bounds flags;
+4. measures, with CUDA events: resolver time per step and per layer at batch 64 with
+   0%, 10% and 50% misses, the host->device GB/s of the miss path and of page copies,
+   and one batched post-forward copy against one launch per layer;
+5. writes the figures and verdicts to --out (default docs/kernels.md).
+
+Exit status: 0 when every check is bit-exact (and pytest passed), 1 otherwise, 2 when
+this machine has no CUDA device or cannot build the extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
+
+LAYERS = 61  # DeepSeek-V3.2's sparse-MLA layers: one post-forward copy covers them all
+
+
+def build_extension(major: int) -> float:
+    """JIT-build every csrc/ source for this GPU's architecture; returns seconds taken."""
+    from torch.utils.cpp_extension import load
+
+    arch = "compute_100a,code=sm_100a" if major >= 10 else "compute_90a,code=sm_90a"
+    csrc = REPO / "csrc"
+    build_dir = REPO / ".cache" / "gpu-check-build"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    load(
+        name="hisparse_gpu_check",
+        sources=[str(p) for p in sorted(csrc.glob("*.cu"))] + [str(csrc / "hisparse_ops.cpp")],
+        extra_include_paths=[str(csrc)],
+        extra_cuda_cflags=["-O3", f"-gencode=arch={arch}"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    return time.perf_counter() - began
+
+
+def run_pytest() -> str:
+    try:
+        import pytest
+    except ImportError:
+        return "not run: pytest is not installed here (the shared checks below ran without it)"
+    code = pytest.main(
+        ["-q", "-p", "no:cacheprovider", "--rootdir", str(REPO), str(REPO / "tests" / "kernels")]
+    )
+    return "passed" if int(code) == 0 else f"FAILED (pytest exit {int(code)})"
+
+
+def verdicts(quick: bool) -> list[tuple[str, dict]]:
+    import kernel_checks as kc
+
+    rows: list[tuple[str, dict]] = []
+    for kind, row_bytes in kc.ROW_BYTES.items():
+        for miss in (0.0, 0.1, 0.5):
+            case = kc.resolution_case(128, 1, 16384, miss, row_bytes, seed=1)
+            name = f"resolve 128 decode requests, {kind} rows, {miss:.0%} misses"
+            rows.append((name, kc.check_resolution(case)))
+            print(rows[-1], flush=True)
+        if not quick:
+            case = kc.resolution_case(1, 8192, 65536, 0.5, row_bytes, seed=2)
+            name = f"resolve an 8K-token prefill chunk, {kind} rows, 50% misses"
+            rows.append((name, kc.check_resolution(case)))
+            print(rows[-1], flush=True)
+        for to_host in (True, False):
+            direction = "device->host" if to_host else "host->device"
+            result = kc.check_page_copy(8, 128, row_bytes, to_host)
+            rows.append((f"page copy, 128 pages x 8 layers, {kind}, {direction}", result))
+            print(rows[-1], flush=True)
+    bounds = kc.check_out_of_bounds_kernels()
+    rows.append(("out-of-bounds indices flag the error word, write nothing",
+                 {"bit_exact": all(bounds.values()), **bounds}))
+    return rows
+
+
+def timings() -> dict:
+    import kernel_checks as kc
+
+    resolver = {}
+    for miss in (0.0, 0.1, 0.5):
+        case = kc.resolution_case(64, 1, 16384, miss, kc.ROW_BYTES["fp8_ds_mla"], seed=3)
+        resolver[miss] = kc.time_resolution(case)
+        print("resolver", miss, resolver[miss], flush=True)
+    pages = {}
+    for to_host in (True, False):
+        pages[to_host] = kc.time_page_copy(LAYERS, 128, kc.ROW_BYTES["fp8_ds_mla"], to_host)
+        print("pages", to_host, pages[to_host], flush=True)
+    return {"resolver": resolver, "pages": pages}
+
+
+def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[str, dict]], figures: dict,
+                 command: str) -> None:
+    lines = [
+        "# HiSparse kernels on a GPU",
+        "",
+        f"Written by `{command}` on {machine['date']}.",
+        "",
+        f"- GPU: {machine['gpu']} (compute capability {machine['capability']}), CUDA {machine['cuda']}",
+        f"- torch {machine['torch']}, Python {machine['python']}",
+        f"- extension built just in time in {machine['build_s']:.0f} s",
+        f"- tests/kernels: {pytest_result}",
+        "",
+        "## Bit-exact against the torch references",
+        "",
+        "| check | verdict | rows loaded | rows hit |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, result in rows:
+        mismatched = ", ".join(result.get("mismatched", [])) or "see the output"
+        verdict = "bit-exact" if result["bit_exact"] else f"MISMATCH: {mismatched}"
+        loaded, hit = result.get("rows_loaded", ""), result.get("rows_hit", "")
+        lines.append(f"| {name} | {verdict} | {loaded} | {hit} |")
+    lines += [
+        "",
+        "## Resolver, batch 64, top-K 2048, hot buffer 4096, fp8_ds_mla rows",
+        "",
+        "The plan is made once per step and top-K selection; each layer that reads that",
+        "selection replays it (row copies included).",
+        "",
+        "| misses | plan per step (µs) | replay per layer (µs) | rows loaded per layer "
+        "| miss-path H2D GB/s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for miss, r in figures["resolver"].items():
+        lines.append(f"| {miss:.0%} | {r['plan_us']:.1f} | {r['apply_us_per_layer']:.1f} "
+                     f"| {r['rows_loaded']} | {r['h2d_gbps']:.1f} |")
+    lines += [
+        "",
+        f"## Page copies, 128 pages (an 8K-token chunk) x {LAYERS} layers, fp8_ds_mla",
+        "",
+        "| direction | one batched launch (µs) | one launch per layer (µs) | batched GB/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for to_host, r in figures["pages"].items():
+        direction = "device->host (post-forward)" if to_host else "host->device (restore)"
+        lines.append(f"| {direction} | {r['batched_us']:.0f} | {r['per_layer_us']:.0f} "
+                     f"| {r['batched_gbps']:.1f} |")
+    out.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "kernels.md")
+    parser.add_argument("--quick", action="store_true", help="skip the 8K-token prefill resolution")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: this machine has no CUDA device; run it on a GPU machine", file=sys.stderr)
+        return 2
+    major, minor = torch.cuda.get_device_capability()
+    try:
+        build_s = build_extension(major)
+    except Exception as e:
+        print(f"gpu_check: building csrc/ failed: {e}", file=sys.stderr)
+        return 2
+    machine = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(),
+        "capability": f"{major}.{minor}",
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "build_s": build_s,
+    }
+    pytest_result = run_pytest()
+    rows = verdicts(args.quick)
+    figures = timings()
+    command = "python3 scripts/gpu_check.py" + (" --quick" if args.quick else "")
+    write_report(args.out, machine, pytest_result, rows, figures, command)
+    print(f"gpu_check: wrote {args.out}")
+    exact = all(result["bit_exact"] for _, result in rows)
+    return 0 if exact and not pytest_result.startswith("FAILED") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

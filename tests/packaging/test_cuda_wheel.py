@@ -1,0 +1,127 @@
+"""The CUDA wheel carries its compiled kernels: built with `make wheel FLAVOUR=cuda`'s own
+script wherever nvcc exists (GPU or not), then loaded in the CUDA-torch build environment.
+
+Needs nvcc; the first run creates the cached build environment (.cache/cuda-build-env,
+the CUDA build of the torch the upstream wheel pins) from the package index.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import build_wheel
+import cuda_build
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXTENSION = "vllm/_hisparse_C.abi3.so"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
+        reason="needs nvcc (a CUDA toolkit) to build the CUDA wheel's extension",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_wheel(tmp_path_factory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "build_wheel.py"), "--flavour", "cuda", "--dist", str(dist)],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    wheels = list(dist.glob("*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def extracted(cuda_wheel, tmp_path_factory) -> Path:
+    """The extension and its loader, out of the wheel, in a tree without vLLM."""
+    root = tmp_path_factory.mktemp("wheel-tree")
+    with zipfile.ZipFile(cuda_wheel) as zf:
+        for name in (EXTENSION, "vllm/v1/hisparse/ops.py", "vllm/v1/hisparse/__init__.py"):
+            zf.extract(name, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def probe(extracted) -> dict:
+    done = subprocess.run(
+        [str(cuda_build.BUILD_ENV / "bin" / "python"), str(REPO / "tests" / "support" / "extension_probe.py"),
+         str(extracted)],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_wheel_is_named_and_tagged_for_the_glibc_its_extension_needs(cuda_wheel, extracted, pin):
+    assert cuda_wheel.name == pin.wheel_name("cuda")
+    with zipfile.ZipFile(cuda_wheel) as zf:
+        wheel_file = next(n for n in zf.namelist() if n.endswith(".dist-info/WHEEL"))
+        tags = [line.split(": ", 1)[1] for line in zf.read(wheel_file).decode().splitlines()
+                if line.startswith("Tag: ")]
+    assert tags == [pin.wheel_tag("cuda")]
+    assert cuda_build.required_glibc(extracted / EXTENSION) <= pin.glibc("cuda")
+
+
+def test_the_extension_is_in_the_wheel_and_its_record(cuda_wheel):
+    with zipfile.ZipFile(cuda_wheel) as zf:
+        data = zf.read(EXTENSION)
+        record_name = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        record = {row.split(",")[0]: row.split(",")[1:] for row in zf.read(record_name).decode().splitlines()}
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    assert record[EXTENSION] == [f"sha256={digest}", str(len(data))]
+    assert build_wheel.verify_record(cuda_wheel) > 2000
+
+
+def test_the_extension_is_stripped_and_built_for_hopper_and_blackwell(extracted):
+    library = extracted / EXTENSION
+    sections = subprocess.run(["objdump", "-h", str(library)], capture_output=True, text=True,
+                              check=True).stdout
+    assert ".debug_info" not in sections
+    # Each embedded cubin records the architecture it was assembled for.
+    data = library.read_bytes()
+    assert b"-arch sm_90a " in data and b"-arch sm_100a " in data
+
+
+def test_it_loads_and_registers_the_ops_with_their_schemas(probe):
+    assert probe["problem"] is None
+    assert probe["torch_cuda"]
+    assert probe["schemas"] == {
+        "copy_host_rows": "_hisparse_C::copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, "
+        "Tensor host_rows, Tensor src_rows, Tensor copy, Tensor(b!) error) -> ()",
+        "copy_pages": "_hisparse_C::copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, "
+        "Tensor block_ids, Tensor host_pages, bool to_host, Tensor(c!) error) -> ()",
+    }
+
+
+def test_cpu_tensors_get_an_error_naming_the_reference_to_call(probe):
+    assert probe["cpu_errors"] == {
+        "copy_host_rows": "RuntimeError: _hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA "
+        "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows",
+        "copy_pages": "RuntimeError: _hisparse_C::copy_pages is the CUDA kernel and needs CUDA "
+        "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.page_copy.copy_pages",
+    }
+
+
+def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
+    assert probe["meta_shape_errors"]["copy_host_rows"] == (
+        "RuntimeError: kv_rows rows are 656 bytes, host_rows rows 600"
+    )
+    copy_pages_error = probe["meta_shape_errors"]["copy_pages"]
+    assert copy_pages_error.startswith("RuntimeError: block_ids must be a contiguous int64")
+    for op, results in probe["opcheck"].items():
+        assert results and set(results.values()) == {"SUCCESS"}, (op, results)

@@ -1,0 +1,76 @@
+"""Run by a CUDA-torch interpreter (the CUDA build environment): load an extracted
+`vllm/_hisparse_C.abi3.so` through `vllm.v1.hisparse.ops` and report, as JSON on
+stdout, what a GPU-less machine can check: the ops and their schemas, the errors
+for CPU tensors and for bad shapes, and `torch.library.opcheck` on meta tensors.
+
+Usage: python extension_probe.py <folder holding vllm/> (no vLLM needed)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def main(root: str) -> dict:
+    sys.path.insert(0, root)
+    import torch
+
+    from vllm.v1.hisparse import ops
+
+    report: dict = {"problem": ops.extension_problem(), "torch_cuda": torch.version.cuda}
+    if report["problem"] is not None:
+        return report
+    namespace = torch.ops._hisparse_C
+    report["schemas"] = {op: str(getattr(namespace, op).default._schema) for op in ops.OPS}
+
+    def error_of(call) -> str | None:
+        try:
+            call()
+        except Exception as e:
+            return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        return None
+
+    def rows_args(device: str, host_width: int = 656):
+        long = dict(dtype=torch.int64, device=device)
+        return (
+            torch.zeros(64, 656, dtype=torch.uint8, device=device),
+            torch.zeros(8, **long),
+            torch.zeros(32, host_width, dtype=torch.uint8, device=device),
+            torch.zeros(8, **long),
+            torch.zeros(8, dtype=torch.bool, device=device),
+            torch.zeros((), **long),
+        )
+
+    def pages_args(device: str, block_columns: int = 3):
+        long = dict(dtype=torch.int64, device=device)
+        caches = [torch.zeros(10, 64, 656, dtype=torch.uint8, device=device) for _ in range(3)]
+        return (
+            caches,
+            torch.zeros(3, 5, 64, 656, dtype=torch.uint8, device=device),
+            torch.zeros(2, block_columns, **long),
+            torch.zeros(2, **long),
+            True,
+            torch.zeros((), **long),
+        )
+
+    report["cpu_errors"] = {
+        "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("cpu"))),
+        "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("cpu"))),
+    }
+    report["meta_shape_errors"] = {
+        "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("meta", host_width=600))),
+        "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("meta", block_columns=2))),
+    }
+    report["opcheck"] = {
+        "copy_host_rows": torch.library.opcheck(namespace.copy_host_rows.default, rows_args("meta")),
+        "copy_pages": torch.library.opcheck(namespace.copy_pages.default, pages_args("meta")),
+    }
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

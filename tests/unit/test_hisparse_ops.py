@@ -1,0 +1,59 @@
+"""Loading the compiled extension: on a CUDA host a missing or broken library stops start-up,
+naming its cause."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.v1.hisparse.ops import extension_problem, ops_registered, require_cuda_kernels
+
+
+@pytest.fixture(autouse=True)
+def _no_ops_registered():
+    if ops_registered():
+        pytest.skip("this process already has torch.ops._hisparse_C registered")
+
+
+def test_a_missing_library_is_named_with_where_it_was_looked_for(tmp_path):
+    missing = r"needs its compiled kernels: .*_hisparse_C\.abi3\.so is not in this installation"
+    with pytest.raises(RuntimeError, match=missing) as raised:
+        require_cuda_kernels(tmp_path)
+    assert str(tmp_path) in str(raised.value)
+    assert "FLAVOUR=cuda" in str(raised.value)
+
+
+def test_a_library_that_fails_to_load_is_named_with_the_loaders_own_message(tmp_path):
+    library = tmp_path / "_hisparse_C.abi3.so"
+    library.write_bytes(b"not an ELF file")
+    problem = extension_problem(tmp_path)
+    assert problem is not None
+    assert str(library) in problem and "failed to load" in problem
+    assert "header" in problem or "too short" in problem, problem  # the dynamic loader's reason
+    with pytest.raises(RuntimeError, match="failed to load"):
+        require_cuda_kernels(tmp_path)
+
+
+def test_the_cpu_wheel_reports_no_kernels_without_raising():
+    import torch
+
+    from vllm.v1.hisparse.ops import cuda_kernels_available
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host: the installed wheel decides")
+    assert cuda_kernels_available() is False
+
+
+def test_gpu_check_stops_with_a_reason_on_a_machine_without_cuda():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host: gpu_check would run for real")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--out", "/dev/null"], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr
