@@ -6,9 +6,15 @@
 
 namespace hisparse {
 
+// A request selected more distinct host rows than its hot buffer and leased staging hold.
+constexpr unsigned long long kErrorStagingOverflow = 1ull;
+
 // A row copy entry whose destination or source row is outside its table: skipped.
 constexpr unsigned long long kErrorRowOutOfBounds = 4ull;
 // A page copy whose device block or host page is outside its table: skipped.
 constexpr unsigned long long kErrorPageOutOfBounds = 8ull;
+// A token's request row outside the hot state, or a request's table row outside the
+// host page table (or more tokens than the plan was sized for): read as resident.
+constexpr unsigned long long kErrorRequestOutOfBounds = 16ull;
 
 }  // namespace hisparse

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "hisparse_page_copy.h"
+#include "hisparse_plan_launch.h"
 #include "hisparse_row_copy.h"
 
 namespace {
@@ -176,6 +177,106 @@ void copy_pages_cpu(at::TensorList, at::Tensor&, const at::Tensor&, const at::Te
               "call the torch reference, vllm.v1.hisparse.page_copy.copy_pages");
 }
 
+bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+
+// positions: int32 [T, K]; token_requests: int64 [T]; host_page_table: int64 [R, P];
+// table_rows, staging_slots: int64 [M]; hot_positions, hot_stamps: int64 [M, H];
+// flags: bool [2, T * K]; ints: int64 [5 * T * K + 4] (see resolver.fused_plan_buffers).
+void check_plan(const at::Tensor& positions, const at::Tensor& token_requests, const at::Tensor& host_page_table,
+                const at::Tensor& table_rows, const at::Tensor& staging_slots, const at::Tensor& hot_positions,
+                const at::Tensor& hot_stamps, int64_t block_size, int64_t max_entries, int64_t hot_pad,
+                const at::Tensor& flags, const at::Tensor& ints) {
+  TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.is_contiguous(),
+              "positions must be a contiguous int32 [T, K] tensor, got ", positions.sizes(), " ",
+              positions.scalar_type());
+  const int64_t tokens = positions.size(0), topk = positions.size(1);
+  check_index(token_requests, "token_requests");
+  TORCH_CHECK(token_requests.numel() == tokens, "token_requests must have one entry per token");
+  TORCH_CHECK(host_page_table.scalar_type() == at::kLong && host_page_table.dim() == 2 &&
+                  host_page_table.is_contiguous() && host_page_table.size(0) > 0,
+              "host_page_table must be a contiguous int64 [R, P] tensor with R > 0");
+  check_index(table_rows, "table_rows");
+  check_index(staging_slots, "staging_slots");
+  for (const auto* hot : {&hot_positions, &hot_stamps}) {
+    TORCH_CHECK(hot->scalar_type() == at::kLong && hot->dim() == 2 && hot->is_contiguous() &&
+                    hot->sizes() == hot_positions.sizes() && hot->size(0) == table_rows.numel(),
+                "hot_positions and hot_stamps must be contiguous int64 [M, H] tensors, M = table_rows' size");
+  }
+  TORCH_CHECK(staging_slots.numel() == table_rows.numel(), "staging_slots must have one entry per request");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  TORCH_CHECK(power_of_two(max_entries) && max_entries >= topk && max_entries <= hisparse::kPlanMaxEntries,
+              "max_entries must be a power of two in [top-K, ", hisparse::kPlanMaxEntries, "], got ", max_entries);
+  TORCH_CHECK(power_of_two(hot_pad) && hot_pad >= hot_positions.size(1) && hot_pad <= hisparse::kPlanMaxHotRows,
+              "hot_pad must be a power of two in [H, ", hisparse::kPlanMaxHotRows, "], got ", hot_pad);
+  TORCH_CHECK(flags.scalar_type() == at::kBool && flags.is_contiguous() && flags.numel() == 2 * tokens * topk,
+              "flags must be a contiguous bool [2, T * K] tensor");
+  TORCH_CHECK(ints.scalar_type() == at::kLong && ints.is_contiguous() && ints.numel() == 5 * tokens * topk + 4,
+              "ints must be a contiguous int64 [5 * T * K + 4] tensor");
+  for (const auto* t : {&token_requests, &host_page_table, &table_rows, &staging_slots, &hot_positions, &hot_stamps,
+                        &flags, &ints}) {
+    check_same_device(*t, positions, "a plan tensor");
+  }
+}
+
+void plan_resolution_meta(const at::Tensor& positions, const at::Tensor& token_requests,
+                          const at::Tensor& host_page_table, const at::Tensor& table_rows,
+                          const at::Tensor& staging_slots, at::Tensor& hot_positions, at::Tensor& hot_stamps,
+                          int64_t block_size, int64_t, int64_t max_entries, int64_t hot_pad, at::Tensor& flags,
+                          at::Tensor& ints) {
+  check_plan(positions, token_requests, host_page_table, table_rows, staging_slots, hot_positions, hot_stamps,
+             block_size, max_entries, hot_pad, flags, ints);
+}
+
+void plan_resolution_cuda(const at::Tensor& positions, const at::Tensor& token_requests,
+                          const at::Tensor& host_page_table, const at::Tensor& table_rows,
+                          const at::Tensor& staging_slots, at::Tensor& hot_positions, at::Tensor& hot_stamps,
+                          int64_t block_size, int64_t step, int64_t max_entries, int64_t hot_pad, at::Tensor& flags,
+                          at::Tensor& ints) {
+  check_plan(positions, token_requests, host_page_table, table_rows, staging_slots, hot_positions, hot_stamps,
+             block_size, max_entries, hot_pad, flags, ints);
+  TORCH_CHECK(positions.is_cuda(), "positions must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(positions.device());
+  const int64_t entries = positions.numel();
+  hisparse::PlanArgs args{};
+  args.positions = positions.data_ptr<int32_t>();
+  args.token_requests = token_requests.data_ptr<int64_t>();
+  args.host_page_table = host_page_table.data_ptr<int64_t>();
+  args.table_rows = table_rows.data_ptr<int64_t>();
+  args.hot_positions = hot_positions.data_ptr<int64_t>();
+  args.hot_stamps = hot_stamps.data_ptr<int64_t>();
+  args.staging_slots = staging_slots.data_ptr<int64_t>();
+  args.num_tokens = positions.size(0);
+  args.topk = positions.size(1);
+  args.num_requests = table_rows.numel();
+  args.hot_rows = hot_positions.size(1);
+  args.table_height = host_page_table.size(0);
+  args.num_pages = host_page_table.size(1);
+  args.block_size = block_size;
+  args.step = step;
+  args.max_entries = max_entries;
+  args.hot_pad = hot_pad;
+  bool* flag = flags.data_ptr<bool>();
+  int64_t* value = ints.data_ptr<int64_t>();
+  args.on_host = flag;
+  args.load = flag + entries;
+  args.entry_request = value;
+  args.entry_slot = value + entries;
+  args.load_request = value + 2 * entries;
+  args.load_slot = value + 3 * entries;
+  args.load_host_row = value + 4 * entries;
+  args.counts = value + 5 * entries;
+  args.error = reinterpret_cast<unsigned long long*>(value + 5 * entries + 3);
+  C10_CUDA_CHECK(hisparse::launch_plan(args, c10::cuda::getCurrentCUDAStream()));
+}
+
+void plan_resolution_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+                         at::Tensor&, at::Tensor&) {
+  TORCH_CHECK(false,
+              "_hisparse_C::plan_resolution is the CUDA kernel and needs CUDA tensors; for CPU tensors "
+              "call the torch reference, vllm.v1.hisparse.resolver.plan_resolution");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(_hisparse_C, m) {
@@ -185,19 +286,26 @@ TORCH_LIBRARY(_hisparse_C, m) {
   m.def(
       "copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, Tensor block_ids, Tensor host_pages, "
       "bool to_host, Tensor(c!) error) -> ()");
+  m.def(
+      "plan_resolution(Tensor positions, Tensor token_requests, Tensor host_page_table, Tensor table_rows, "
+      "Tensor staging_slots, Tensor(a!) hot_positions, Tensor(b!) hot_stamps, int block_size, int step, "
+      "int max_entries, int hot_pad, Tensor(c!) flags, Tensor(d!) ints) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CUDA, m) {
   m.impl("copy_host_rows", &copy_host_rows_cuda);
   m.impl("copy_pages", &copy_pages_cuda);
+  m.impl("plan_resolution", &plan_resolution_cuda);
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, Meta, m) {
   m.impl("copy_host_rows", &copy_host_rows_meta);
   m.impl("copy_pages", &copy_pages_meta);
+  m.impl("plan_resolution", &plan_resolution_meta);
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CPU, m) {
   m.impl("copy_host_rows", &copy_host_rows_cpu);
   m.impl("copy_pages", &copy_pages_cpu);
+  m.impl("plan_resolution", &plan_resolution_cpu);
 }

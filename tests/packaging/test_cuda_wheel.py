@@ -105,6 +105,10 @@ def test_it_loads_and_registers_the_ops_with_their_schemas(probe):
         "Tensor host_rows, Tensor src_rows, Tensor copy, Tensor(b!) error) -> ()",
         "copy_pages": "_hisparse_C::copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, "
         "Tensor block_ids, Tensor host_pages, bool to_host, Tensor(c!) error) -> ()",
+        "plan_resolution": "_hisparse_C::plan_resolution(Tensor positions, Tensor token_requests, "
+        "Tensor host_page_table, Tensor table_rows, Tensor staging_slots, Tensor(a!) hot_positions, "
+        "Tensor(b!) hot_stamps, int block_size, int step, int max_entries, int hot_pad, Tensor(c!) flags, "
+        "Tensor(d!) ints) -> ()",
     }
 
 
@@ -114,6 +118,8 @@ def test_cpu_tensors_get_an_error_naming_the_reference_to_call(probe):
         "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows",
         "copy_pages": "RuntimeError: _hisparse_C::copy_pages is the CUDA kernel and needs CUDA "
         "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.page_copy.copy_pages",
+        "plan_resolution": "RuntimeError: _hisparse_C::plan_resolution is the CUDA kernel and needs CUDA "
+        "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.resolver.plan_resolution",
     }
 
 
@@ -123,5 +129,8 @@ def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
     )
     copy_pages_error = probe["meta_shape_errors"]["copy_pages"]
     assert copy_pages_error.startswith("RuntimeError: block_ids must be a contiguous int64")
+    assert probe["meta_shape_errors"]["plan_resolution"].startswith(
+        "RuntimeError: max_entries must be a power of two in [top-K, 8192], got 12"
+    )
     for op, results in probe["opcheck"].items():
         assert results and set(results.values()) == {"SUCCESS"}, (op, results)

@@ -57,17 +57,39 @@ def main(root: str) -> dict:
             torch.zeros((), **long),
         )
 
+    def plan_args(device: str, max_entries: int = 16):
+        long = dict(dtype=torch.int64, device=device)
+        tokens, topk, requests, hot = 3, 4, 2, 8
+        return (
+            torch.zeros(tokens, topk, dtype=torch.int32, device=device),
+            torch.zeros(tokens, **long),
+            torch.zeros(5, 6, **long),
+            torch.zeros(requests, **long),
+            torch.zeros(requests, **long),
+            torch.zeros(requests, hot, **long),
+            torch.zeros(requests, hot, **long),
+            64,
+            7,
+            max_entries,
+            8,
+            torch.zeros(2, tokens * topk, dtype=torch.bool, device=device),
+            torch.zeros(5 * tokens * topk + 4, **long),
+        )
+
     report["cpu_errors"] = {
         "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("cpu"))),
         "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("cpu"))),
+        "plan_resolution": error_of(lambda: namespace.plan_resolution(*plan_args("cpu"))),
     }
     report["meta_shape_errors"] = {
         "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("meta", host_width=600))),
         "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("meta", block_columns=2))),
+        "plan_resolution": error_of(lambda: namespace.plan_resolution(*plan_args("meta", max_entries=12))),
     }
     report["opcheck"] = {
         "copy_host_rows": torch.library.opcheck(namespace.copy_host_rows.default, rows_args("meta")),
         "copy_pages": torch.library.opcheck(namespace.copy_pages.default, pages_args("meta")),
+        "plan_resolution": torch.library.opcheck(namespace.plan_resolution.default, plan_args("meta")),
     }
     return report
 

@@ -123,10 +123,15 @@ def _on(case: ResolutionCase, device: str) -> ResolutionCase:
     )
 
 
-def _resolve(case: ResolutionCase):
+def most_tokens(case: ResolutionCase) -> int:
+    """The most tokens any request has in the step (the host knows it from the scheduler)."""
+    return int(torch.bincount(case.token_requests.cpu()[case.token_requests.cpu() >= 0]).max())
+
+
+def _resolve(case: ResolutionCase, fused: bool = False):
     plan = plan_resolution(
         case.positions, case.token_requests, case.host_page_table, BLOCK, case.hot, case.staging_slots,
-        case.step,
+        case.step, max_tokens_per_request=most_tokens(case) if fused else None,
     )
     error = torch.zeros((), dtype=torch.int64, device=case.positions.device)
     out = apply_resolution(plan, case.rows, case.slot_rows, case.kv_rows, case.host_rows, error=error)
@@ -138,18 +143,31 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def check_resolution(case: ResolutionCase, device: str = "cuda") -> dict:
-    """Resolve `case` with the reference on the CPU and on `device`; every output byte-equal."""
+def loads(plan) -> list[tuple[int, int, int]]:
+    """A plan's row copies as (request, slot, host row), in a layout-free order."""
+    chosen = plan.load.cpu()
+    columns = [getattr(plan, name).cpu()[chosen] for name in ("load_request", "load_slot", "load_host_row")]
+    return sorted(zip(*(c.tolist() for c in columns), strict=True))
+
+
+def check_resolution(case: ResolutionCase, device: str = "cuda", fused: bool = False) -> dict:
+    """Resolve `case` with the reference on the CPU and on `device` (with the fused plan
+    kernel when `fused`); every decision, row and byte equal."""
     reference = _on(case, "cpu")
     ref_plan, ref_out, ref_error = _resolve(reference)
     check_resolution_error(int(ref_error) | int(ref_plan.error))
     dev = _on(case, device)
-    plan, out, error = _resolve(dev)
+    plan, out, error = _resolve(dev, fused)
     if device == "cuda":
         torch.cuda.synchronize()
-    fields = ("on_host", "entry_request", "entry_slot", "load", "load_request", "load_slot", "load_host_row",
-              "counts", "error")
+    # The fused plan marks each load at its first entry, the operations in sorted order:
+    # the per-entry decisions and the set of copies are what must agree.
+    fields = ("on_host", "entry_request", "entry_slot", "counts", "error")
+    if not fused:
+        fields += ("load", "load_request", "load_slot", "load_host_row")
     mismatched = [f for f in fields if not torch.equal(getattr(plan, f).cpu(), getattr(ref_plan, f))]
+    if loads(plan) != loads(ref_plan):
+        mismatched.append("row copies")
     if not torch.equal(out.cpu(), ref_out):
         mismatched.append("resolved rows")
     if not torch.equal(bits(dev.kv_rows.cpu()), bits(reference.kv_rows)):
@@ -168,36 +186,45 @@ def check_resolution(case: ResolutionCase, device: str = "cuda") -> dict:
     }
 
 
-def time_resolution(case: ResolutionCase, layers_per_plan: int = 1, repeats: int = 20) -> dict:
-    """CUDA time of one step's plan and of one layer's replay (row copies included), in µs,
-    and the host->device bytes the misses move per layer."""
+def time_resolution(case: ResolutionCase, repeats: int = 20) -> dict:
+    """CUDA time, in µs, of one step's plan (fused kernel, and torch operations) and of
+    one layer's replay (row copies included), and the H2D GB/s of the misses' rows."""
     dev = _on(case, "cuda")
-    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-    plan_us, apply_us = [], []
-    for _ in range(repeats + 2):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(call) -> float:
+        samples = []
+        for _ in range(repeats + 2):
+            torch.cuda.synchronize()
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) * 1000)
+        samples = sorted(samples[2:])
+        return samples[len(samples) // 2]
+
+    def plan(fused: bool):
         hot = HotState(dev.hot.positions.clone(), dev.hot.stamps.clone())
-        error = torch.zeros((), dtype=torch.int64, device="cuda")
-        torch.cuda.synchronize()
-        start.record()
-        plan = plan_resolution(dev.positions, dev.token_requests, dev.host_page_table, BLOCK, hot,
-                               dev.staging_slots, dev.step)
-        mid.record()
-        for _ in range(layers_per_plan):
-            apply_resolution(plan, dev.rows, dev.slot_rows, dev.kv_rows, dev.host_rows, error=error)
-        end.record()
-        torch.cuda.synchronize()
-        plan_us.append(start.elapsed_time(mid) * 1000)
-        apply_us.append(mid.elapsed_time(end) * 1000 / layers_per_plan)
-    check_resolution_error(int(error) | int(plan.error))
-    plan_us, apply_us = sorted(plan_us[2:]), sorted(apply_us[2:])
+        return plan_resolution(dev.positions, dev.token_requests, dev.host_page_table, BLOCK, hot,
+                               dev.staging_slots, dev.step,
+                               max_tokens_per_request=most_tokens(case) if fused else None)
+
+    fused_us = timed(lambda: plan(True))
+    torch_us = timed(lambda: plan(False))
+    the_plan = plan(True)
+    error = torch.zeros((), dtype=torch.int64, device="cuda")
+    apply_us = timed(lambda: apply_resolution(the_plan, dev.rows, dev.slot_rows, dev.kv_rows, dev.host_rows,
+                                              error=error))
+    check_resolution_error(int(error) | int(the_plan.error))
     row_bytes = dev.kv_rows.shape[1] * dev.kv_rows.element_size()
-    loaded = int(plan.rows_loaded)
-    apply_median = apply_us[len(apply_us) // 2]
+    loaded = int(the_plan.rows_loaded)
     return {
-        "plan_us": plan_us[len(plan_us) // 2],
-        "apply_us_per_layer": apply_median,
+        "fused_plan_us": fused_us,
+        "torch_plan_us": torch_us,
+        "apply_us_per_layer": apply_us,
         "rows_loaded": loaded,
-        "h2d_gbps": loaded * row_bytes / (apply_median * 1e3) if loaded else 0.0,
+        "h2d_gbps": loaded * row_bytes / (apply_us * 1e3) if loaded else 0.0,
     }
 
 

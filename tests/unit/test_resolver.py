@@ -224,8 +224,10 @@ def test_error_bits_match_the_kernels():
 
     header = (Path(__file__).resolve().parents[2] / "csrc" / "hisparse_errors.h").read_text()
     bits = {name: int(value) for name, value in re.findall(r"kError(\w+) = (\d+)ull", header)}
-    assert bits == {"RowOutOfBounds": resolver.ERROR_ROW_OUT_OF_BOUNDS,
-                    "PageOutOfBounds": resolver.ERROR_PAGE_OUT_OF_BOUNDS}
+    assert bits == {"StagingOverflow": resolver.ERROR_STAGING_OVERFLOW,
+                    "RowOutOfBounds": resolver.ERROR_ROW_OUT_OF_BOUNDS,
+                    "PageOutOfBounds": resolver.ERROR_PAGE_OUT_OF_BOUNDS,
+                    "RequestOutOfBounds": resolver.ERROR_REQUEST_OUT_OF_BOUNDS}
     assert page_copy.ERROR_PAGE_OUT_OF_BOUNDS == resolver.ERROR_PAGE_OUT_OF_BOUNDS
     every = [v for k, v in vars(resolver).items() if k.startswith("ERROR_")]
     assert len(set(every)) == len(every) and all(v & (v - 1) == 0 for v in every), "distinct single bits"

@@ -86,7 +86,7 @@ class HostPoolMemory:
             if int(result) != 0:
                 raise HostPoolMemoryError(
                     f"Hybrid HiSparse: cudaHostRegister of the {self.nbytes}-byte host pool failed "
-                    f"(CUDA error {int(result)}); check the locked-memory limit (ulimit -l) of the server"
+                    f"(CUDA error {int(result)}); the host could not pin that much memory"
                 )
             self.registered = True
 

@@ -103,6 +103,7 @@ class HiSparseResolution:
         self._with_host_pages: set[str] = set()
         self._grow(capacity)
         self._stamp = 0
+        self._num_scheduled_tokens: dict[str, int] = {}
         self._staging: dict[str, StepStaging] = {}
         self._step_state: _Step | None = None
         # Counted on the device, read once per step by the worker.
@@ -184,10 +185,12 @@ class HiSparseResolution:
 
     # -- per step ------------------------------------------------------------------
 
-    def start_step(self) -> None:
-        """A step begins, after the plan's deltas."""
+    def start_step(self, num_scheduled_tokens: dict[str, int] | None = None) -> None:
+        """A step begins, after the plan's deltas. `num_scheduled_tokens`: each request's
+        tokens in the step (the scheduler's), which sizes the fused plan on CUDA."""
         global _active
         self._step_state = None
+        self._num_scheduled_tokens = num_scheduled_tokens or {}
         self._stamp += 1
         self._resolved_layers.clear()
         _active = self
@@ -259,6 +262,7 @@ class HiSparseResolution:
             plan = plan_resolution(
                 positions, token_requests, self.host_page_table, self.block_size, active,
                 step.staging_slots, self._stamp, table_rows=step.requests,
+                max_tokens_per_request=step.max_tokens_per_request,
             )
             hot.positions[step.requests] = active.positions
             hot.stamps[step.requests] = active.stamps
@@ -290,6 +294,11 @@ class HiSparseResolution:
             batch = self.runner.input_batch.req_id_to_index
             mixed = [rid for rid in self._with_host_pages if rid in batch]
             self._step_state = _Step(self, mixed, [batch[rid] for rid in mixed])
+            known = [self._num_scheduled_tokens.get(rid) for rid in mixed]
+            # Known for every request with HOST pages (from the scheduler), else unknown.
+            self._step_state.max_tokens_per_request = (
+                max(known, default=1) if all(n is not None for n in known) else None
+            )
         return self._step_state
 
 
@@ -312,6 +321,7 @@ class _Step:
         self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         self._slot_rows: dict[tuple[int, int], torch.Tensor] = {}
         self.plans: dict[int, ResolutionPlan] = {}
+        self.max_tokens_per_request: int | None = None
 
     def token_requests(self, batch_rows: torch.Tensor) -> torch.Tensor:
         """Each token's request row in this step's tables, -1 for requests without HOST pages."""

@@ -60,6 +60,13 @@ ERROR_PAGE_OUT_OF_BOUNDS = 8
 ERROR_REQUEST_OUT_OF_BOUNDS = 16
 
 
+# The fused plan kernel (csrc/hisparse_plan.h) serves a step whose requests each select
+# at most this many entries (tokens x top-K: decode with up to 3 drafts at top-K 2048)
+# from a hot buffer of at most this many rows; larger steps use the torch operations.
+FUSED_PLAN_MAX_ENTRIES = 8192
+FUSED_PLAN_MAX_HOT_ROWS = 8192
+
+
 class ResolverError(RuntimeError):
     """A step could not be resolved as planned (a scheduler/worker accounting error)."""
 
@@ -132,6 +139,7 @@ def plan_resolution(
     staging_slots: torch.Tensor,
     step: int,
     table_rows: torch.Tensor | None = None,
+    max_tokens_per_request: int | None = None,
 ) -> ResolutionPlan:
     """Resolve the selections [T, K] (-1 padded) of one step; updates `hot` in place.
 
@@ -140,12 +148,26 @@ def plan_resolution(
     host_page_table [R, P]: host page of each HOST page, -1 for a resident page
     (pages past P are resident); request m's row is `table_rows[m]` (default m).
     staging_slots [M]: staging rows leased to each request for this step.
-    `step` stamps the slots selected now.
+    `step` stamps the slots selected now. `max_tokens_per_request`: the most tokens
+    any request has in the step, known on the host; with it, CUDA tensors and the
+    extension, a step that fits is planned by the fused kernel (one launch), which
+    decides exactly what the operations below decide; its per-entry load arrays mark
+    each distinct miss at its first entry rather than in sorted order.
     """
     num_requests = hot.positions.shape[0]
     if table_rows is None:
         table_rows = torch.arange(num_requests, device=positions.device)
     _validate(positions, token_requests, host_page_table, hot, staging_slots, table_rows)
+    if max_tokens_per_request is not None and positions.is_cuda and cuda_kernels_available():
+        shape = fused_plan_shape(max_tokens_per_request, positions.shape[1], hot.positions.shape[1])
+        if shape is not None and hot.positions.is_contiguous() and hot.stamps.is_contiguous():
+            plan, inputs, outputs = fused_plan_buffers(
+                positions, token_requests, host_page_table, table_rows, staging_slots
+            )
+            torch.ops._hisparse_C.plan_resolution(
+                *inputs, hot.positions, hot.stamps, block_size, step, *shape, *outputs
+            )
+            return plan
     device = positions.device
     num_tokens, topk = positions.shape
     num_pages = host_page_table.shape[1]
@@ -260,6 +282,51 @@ def plan_resolution(
         counts=torch.stack([(load & ~not_in_pool).sum(), hit.sum(), (staged & ~not_in_pool).sum()]),
         error=error,
     )
+
+
+def fused_plan_shape(max_tokens_per_request: int, topk: int, hot_rows: int) -> tuple[int, int] | None:
+    """(entries, hot rows) padded to powers of two for the fused plan; None when it does not fit."""
+    entries = max(max_tokens_per_request, 1) * topk
+    if not 0 < entries <= FUSED_PLAN_MAX_ENTRIES or not 0 < hot_rows <= FUSED_PLAN_MAX_HOT_ROWS:
+        return None
+    return 1 << (entries - 1).bit_length(), 1 << (hot_rows - 1).bit_length()
+
+
+def fused_plan_buffers(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    staging_slots: torch.Tensor,
+) -> tuple[ResolutionPlan, tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """A zeroed plan for the fused kernel to fill, its inputs in the dtypes and layout
+    the kernel reads, and the two buffers behind the plan that the kernel writes:
+    flags [2, T * K] (on_host, load) and ints [5 * T * K + 4] (entry_request,
+    entry_slot, load_request, load_slot, load_host_row, then counts and error)."""
+    num_tokens, topk = positions.shape
+    device = positions.device
+    flags = torch.zeros((2, num_tokens * topk), dtype=torch.bool, device=device)
+    ints = torch.zeros((5 * num_tokens * topk + 4), dtype=torch.int64, device=device)
+    rows = ints[: 5 * num_tokens * topk].view(5, num_tokens * topk)
+    plan = ResolutionPlan(
+        on_host=flags[0].view(num_tokens, topk),
+        entry_request=rows[0].view(num_tokens, topk),
+        entry_slot=rows[1].view(num_tokens, topk),
+        load=flags[1],
+        load_request=rows[2],
+        load_slot=rows[3],
+        load_host_row=rows[4],
+        counts=ints[-4:-1],
+        error=ints[-1],
+    )
+    inputs = (
+        positions.to(torch.int32).contiguous(),
+        token_requests.to(torch.int64).contiguous(),
+        host_page_table.contiguous(),
+        table_rows.to(torch.int64).contiguous(),
+        staging_slots.to(torch.int64).contiguous(),
+    )
+    return plan, inputs, (flags, ints)
 
 
 def apply_resolution(

@@ -194,7 +194,7 @@ class HiSparseWorker:
             self._run_restores(plan)
             self._update_block_tables(plan)
             self.resolution.update(plan.host_pages, plan.leases, plan.staging)
-        self.resolution.start_step()
+        self.resolution.start_step(scheduler_output.num_scheduled_tokens)
 
     def _update_block_tables(self, plan: HiSparseStepPlan) -> None:
         runner = self.runner
