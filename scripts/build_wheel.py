@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_build import CudaBuildError, build_extension, upstream_torch_requirement
+from cuda_build import CudaBuildError, build_extension, find_cuda_home, upstream_torch_requirement
 from upstream import REPO, Flavour, Pin, fetch_upstream_wheel, load_pin, machine_flavour
 
 from patches import PatchError, Series, load_series, sha256_hex
@@ -170,6 +170,8 @@ def build(flavour: Flavour, dist_dir: Path, python: str | None = None) -> Path:
     no extension."""
     pin = load_pin()
     series = load_series()
+    if flavour == "cuda":
+        find_cuda_home()  # no nvcc: stop before fetching anything
     upstream = fetch_upstream_wheel(flavour, pin)
     dist_dir.mkdir(parents=True, exist_ok=True)
     target = dist_dir / pin.wheel_name(flavour)
