@@ -3,7 +3,8 @@
 Usage: python3 scripts/gpu_check.py [--out docs/kernels.md] [--quick]
 
 Needs torch with CUDA and nvcc (no vLLM, no network). It:
-1. builds csrc/ just in time for this GPU (sm_90a on Hopper, sm_100a on Blackwell);
+1. builds csrc/ as the CUDA wheel does (setup.py, sm_90a and sm_100a) and loads it
+   (`--build-only` stops there, and needs no GPU);
 2. runs tests/kernels (pytest, when installed) at production shapes;
 3. runs the shared production-shape checks itself (tests/support/kernel_checks.py),
    so the verdicts are there without pytest too: resolution of 128 decode requests
@@ -22,35 +23,41 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "support")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "scripts")]
 
 LAYERS = 61  # DeepSeek-V3.2's sparse-MLA layers: one post-forward copy covers them all
 
 
-def build_extension(major: int) -> float:
-    """JIT-build every csrc/ source for this GPU's architecture; returns seconds taken."""
-    from torch.utils.cpp_extension import load
+def build_extension() -> float:
+    """Build csrc/ as the CUDA wheel does (setup.py: sm_90a and sm_100a, the toolkit found
+    by cuda_build.find_cuda_home) with this interpreter's torch, and load it; seconds taken."""
+    import subprocess
+    import tempfile
 
-    arch = "compute_100a,code=sm_100a" if major >= 10 else "compute_90a,code=sm_90a"
-    csrc = REPO / "csrc"
-    build_dir = REPO / ".cache" / "gpu-check-build"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    import torch
+    from cuda_build import EXTENSION, find_cuda_home
+
+    from vllm.v1.hisparse.ops import OPS, ops_registered
+
+    home = find_cuda_home()
+    env = {**os.environ, "CUDA_HOME": str(home), "PATH": f"{home / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     began = time.perf_counter()
-    load(
-        name="hisparse_gpu_check",
-        sources=[str(p) for p in sorted(csrc.glob("*.cu"))] + [str(csrc / "hisparse_ops.cpp")],
-        extra_include_paths=[str(csrc)],
-        extra_cuda_cflags=["-O3", f"-gencode=arch={arch}"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-build-"))
+    subprocess.run(
+        [sys.executable, str(REPO / "setup.py"), "build_ext", "--build-lib", str(work / "lib"),
+         "--build-temp", str(work / "temp")],
+        cwd=REPO, env=env, check=True,
     )
+    torch.ops.load_library(str(work / "lib" / EXTENSION))
+    if not ops_registered():
+        raise RuntimeError(f"the built library does not register torch.ops._hisparse_C.{{{', '.join(OPS)}}}")
     return time.perf_counter() - began
 
 
@@ -121,7 +128,7 @@ def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[
         "",
         f"- GPU: {machine['gpu']} (compute capability {machine['capability']}), CUDA {machine['cuda']}",
         f"- torch {machine['torch']}, Python {machine['python']}",
-        f"- extension built just in time in {machine['build_s']:.0f} s",
+        f"- extension built from csrc/ in {machine['build_s']:.0f} s",
         f"- tests/kernels: {pytest_result}",
         "",
         "## Bit-exact against the torch references",
@@ -167,18 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "kernels.md")
     parser.add_argument("--quick", action="store_true", help="skip the 8K-token prefill resolution")
+    parser.add_argument("--build-only", action="store_true",
+                        help="build and load the extension, then stop (needs no GPU)")
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not args.build_only and not torch.cuda.is_available():
         print("gpu_check: this machine has no CUDA device; run it on a GPU machine", file=sys.stderr)
         return 2
-    major, minor = torch.cuda.get_device_capability()
     try:
-        build_s = build_extension(major)
+        build_s = build_extension()
     except Exception as e:
         print(f"gpu_check: building csrc/ failed: {e}", file=sys.stderr)
         return 2
+    if args.build_only:
+        print(f"gpu_check: built and loaded the extension in {build_s:.0f} s")
+        return 0
+    major, minor = torch.cuda.get_device_capability()
     machine = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name(),

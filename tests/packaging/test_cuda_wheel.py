@@ -134,3 +134,14 @@ def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
     )
     for op, results in probe["opcheck"].items():
         assert results and set(results.values()) == {"SUCCESS"}, (op, results)
+
+
+def test_gpu_check_builds_and_loads_the_extension_without_a_gpu(cuda_wheel):
+    """scripts/gpu_check.py's own build, the first step of every GPU run, works here."""
+    done = subprocess.run(
+        [str(cuda_build.BUILD_ENV / "bin" / "python"), str(REPO / "scripts" / "gpu_check.py"),
+         "--build-only"],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "built and loaded the extension" in done.stdout
