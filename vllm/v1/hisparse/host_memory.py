@@ -5,7 +5,7 @@ Owns allocating and releasing the worker's host pool buffer:
 - before anything is mapped, the bytes wanted are checked against the host RAM
   available now (`MemAvailable`); a pool that does not fit fails at start-up
   naming `host_pool_gib`, the bytes wanted and the bytes available;
-- the buffer is one anonymous shared mapping of exactly that many bytes (the
+- the buffer is one anonymous private mapping of exactly that many bytes (the
   kernel rounds to its page size only), never torch's caching host allocator,
   which rounds a pinned allocation up to a power of two;
 - on CUDA the mapping is registered with `cudaHostRegister` (mapped: kernels
@@ -74,7 +74,8 @@ class HostPoolMemory:
                 f"Hybrid HiSparse: {asked} needs {self.nbytes} bytes of host memory on this worker, "
                 f"but only {available} bytes are available; lower host_pool_gib or free host memory"
             )
-        self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        # Private anonymous memory, like any large host allocation (not shmem-backed).
+        self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=self.nbytes)
         self.tensor = flat.view(dtype).view(shape)
         self.registered = False
