@@ -56,7 +56,7 @@ def copy_pages(
     on the caches' device, which the worker reads once per step (without `error`,
     this call reads its own word back and raises: for tools and tests).
     """
-    _validate(kv_caches, host_pool, block_ids, host_pages, to_host)
+    pages, blocks_of = _validate(kv_caches, host_pool, block_ids, host_pages, to_host)
     if use_kernel is None:
         use_kernel = kv_caches[0].is_cuda and cuda_kernels_available()
     if not host_pages.numel():
@@ -81,11 +81,10 @@ def copy_pages(
     if kv_caches[0].is_cuda:
         require_cuda_kernels()
     host_index = host_pages.long()
-    if bool((host_index < 0).any() | (host_index >= host_pool.shape[1]).any()):
+    if not 0 <= min(pages) <= max(pages) < host_pool.shape[1]:
         raise PageCopyError(f"HiSparse page copy: a host page is outside [0, {host_pool.shape[1]})")
     for layer, cache in enumerate(kv_caches):
-        blocks = block_ids[:, layer].long()
-        if bool((blocks < 0).any() | (blocks >= cache.shape[0]).any()):
+        if not 0 <= min(blocks_of[layer]) <= max(blocks_of[layer]) < cache.shape[0]:
             raise PageCopyError(
                 f"HiSparse page copy: a block of layer {layer} is outside [0, {cache.shape[0]})"
             )
@@ -103,7 +102,8 @@ def _validate(
     block_ids: torch.Tensor,
     host_pages: torch.Tensor,
     to_host: bool,
-) -> None:
+) -> tuple[list[int], list[list[int]]]:
+    """Raise for a bad argument; the host pages and each layer's blocks as lists."""
     if host_pool.dim() != 4 or not host_pool.is_contiguous():
         raise ValueError(
             f"host_pool must be a contiguous [layers, pages, block_size, width] tensor, got "
@@ -138,11 +138,17 @@ def _validate(
         )
     if block_ids.device.type != "cpu" or host_pages.device.type != "cpu":
         raise ValueError("block_ids and host_pages must be host tensors (checked before reaching the device)")
-    # Two copies into one destination would race on a GPU (sources may repeat).
-    if to_host and torch.unique(host_pages).numel() != host_pages.numel():
+    # Two copies into one destination would race on a GPU (sources may repeat). The
+    # lists are a step's pages, small: checked in Python, one read of each tensor.
+    pages = host_pages.tolist()
+    blocks_of = [list(column) for column in zip(*block_ids.tolist(), strict=True)] or [
+        [] for _ in kv_caches
+    ]
+    if to_host and len(set(pages)) != len(pages):
         raise PageCopyError("HiSparse page copy: a host page is the destination of two pages in one copy")
-    for layer in range(block_ids.shape[1] if not to_host else 0):
-        if torch.unique(block_ids[:, layer]).numel() != block_ids.shape[0]:
+    for layer, blocks in enumerate(blocks_of if not to_host else ()):
+        if len(set(blocks)) != len(blocks):
             raise PageCopyError(
                 f"HiSparse page copy: a block of layer {layer} is the destination of two pages in one copy"
             )
+    return pages, blocks_of

@@ -176,11 +176,21 @@ def plan_resolution(
     pos = positions.long()
     # A request row outside the hot state, or a table row outside the page table, is an
     # accounting error: flagged, and read as resident so every gather stays in bounds.
-    out_of_bounds = ((token_requests < -1) | (token_requests >= num_requests)).any() | (
-        (table_rows < 0) | (table_rows >= host_page_table.shape[0])
-    ).any()
-    token_requests = torch.where(token_requests < num_requests, token_requests.long(), -1)
-    table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
+    if positions.is_cuda:  # device tensors: flagged without reading anything back
+        out_of_bounds = (((token_requests < -1) | (token_requests >= num_requests)).any() | (
+            (table_rows < 0) | (table_rows >= host_page_table.shape[0])
+        ).any()).long()
+        token_requests = torch.where(token_requests < num_requests, token_requests.long(), -1)
+        table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
+    else:  # host tensors: two reads, and the clamps only when needed
+        low, high = (int(v) for v in torch.aminmax(token_requests)) if token_requests.numel() else (-1, -1)
+        rows_low, rows_high = (int(v) for v in torch.aminmax(table_rows))
+        out_of_bounds = int(low < -1 or high >= num_requests or rows_low < 0
+                            or rows_high >= host_page_table.shape[0])
+        token_requests = token_requests.long()
+        if out_of_bounds:
+            token_requests = torch.where(token_requests < num_requests, token_requests, -1)
+            table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
     entry_request = token_requests.unsqueeze(1).expand(num_tokens, topk)
     page = pos.clamp(min=0) // block_size
     candidate = (pos >= 0) & (entry_request >= 0) & (page < num_pages)
@@ -269,7 +279,7 @@ def plan_resolution(
     error = (
         overflow.any().long() * ERROR_STAGING_OVERFLOW
         + not_in_pool.any().long() * ERROR_NOT_IN_HOST_POOL
-        + out_of_bounds.long() * ERROR_REQUEST_OUT_OF_BOUNDS
+        + out_of_bounds * ERROR_REQUEST_OUT_OF_BOUNDS
     )
     return ResolutionPlan(
         on_host=on_host,
@@ -395,9 +405,11 @@ def copy_host_rows(
         require_cuda_kernels()
     dst, src = dst_rows[copy].long(), src_rows[copy].long()
     if dst.numel():
-        if bool((dst < 0).any() | (dst >= kv_rows.shape[0]).any()):
+        low, high = (int(v) for v in torch.aminmax(dst))
+        if low < 0 or high >= kv_rows.shape[0]:
             raise ResolverError(f"HiSparse row copy: a destination row is outside [0, {kv_rows.shape[0]})")
-        if bool((src < 0).any() | (src >= host_rows.shape[0]).any()):
+        low, high = (int(v) for v in torch.aminmax(src))
+        if low < 0 or high >= host_rows.shape[0]:
             raise ResolverError(f"HiSparse row copy: a host row is outside [0, {host_rows.shape[0]})")
         if torch.unique(dst).numel() != dst.numel():
             raise ResolverError("HiSparse row copy: two copies write one destination row")
