@@ -23,6 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
 
+from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION
+
 BLOCK = 64
 NULL_BLOCK_ID = 0
 MLA_GROUPS = 6
@@ -134,7 +136,7 @@ def test_demotion_plans_null_block_updates_and_host_page_deltas_for_the_resolver
             break
         observation = h.step()
         plan = observation.hisparse_plan
-        assert plan.version == 3 and plan.mla_group_ids == tuple(range(MLA_GROUPS))
+        assert plan.version == HISPARSE_PLAN_VERSION and plan.mla_group_ids == tuple(range(MLA_GROUPS))
         for update in plan.block_table_updates:
             assert update.block_id == NULL_BLOCK_ID and update.group_id in plan.mla_group_ids
         for lease in plan.leases:

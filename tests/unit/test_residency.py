@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
@@ -156,10 +157,11 @@ def test_pressure_never_frees_a_page_whose_copy_is_in_flight():
     grow(mgr, pool, "a", 5, 5 * BLOCK)
     assert mgr.relieve_pressure(2) == 0, "nothing is durable on the host yet"
     copies = mgr.plan_copies()
-    assert len(copies) == 2, "pressure marks pages for copy-then-free"
+    # Two pages for the blocks wanted and two for the lease (128 rows) the demotion takes.
+    assert len(copies) == 4, "pressure marks pages for copy-then-free"
     assert mgr.relieve_pressure(2) == 0, "still in flight"
-    mgr.complete_copies(copies)
-    assert mgr.requests["a"].count(PageState.HOST) == 2
+    assert mgr.complete_copies(copies) == 2
+    assert mgr.requests["a"].count(PageState.HOST) == 4
     mgr.check()
 
 
@@ -259,7 +261,7 @@ def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
 
 
 def test_a_cancelled_copy_leaves_the_page_resident_and_returns_its_host_slot():
-    mgr, pool = manager(proactive_copy=False)
+    mgr, pool = manager(proactive_copy=False, hot_rows=64)  # a one-block lease: two pages pay for it
     mgr.add_request("a", block_hashes=["x", "y"])
     grow(mgr, pool, "a", 3, 3 * BLOCK)
     mgr.relieve_pressure(2)
@@ -295,6 +297,81 @@ def test_a_page_shared_with_another_request_frees_nothing_when_demoted():
     assert pool.num_free_blocks() == pool.num_blocks
 
 
+def test_a_lease_is_no_larger_than_the_whole_context():
+    mgr, pool = manager(num_blocks=64, hot_rows=512)  # the default lease: 8 blocks
+    mgr.add_request("short", max_tokens=200)  # 4 pages at most
+    mgr.add_request("long", max_tokens=4000)
+    mgr.add_request("unknown")
+    assert mgr.requests["short"].lease_blocks == 4
+    assert mgr.requests["long"].lease_blocks == mgr.requests["unknown"].lease_blocks == 8
+    lease = mgr.lease(mgr.requests["short"].lease_blocks)
+    mgr.add_request("hit", max_tokens=200)
+    pool.add_placeholders("hit", 1)
+    host_page = mgr.host_pool.allocate()
+    mgr.append_host_pages("hit", [host_page], lease)
+    mgr.host_pool.release(host_page)  # the request holds its own reference
+    assert len(mgr.requests["hit"].hot_blocks) == 4
+    with pytest.raises(ValueError, match="hot lease is 4 blocks, got 8"):
+        mgr.add_request("hit2", max_tokens=200)
+        mgr.append_host_pages("hit2", [], mgr.lease())
+    mgr.check()
+
+
+def test_relief_never_marks_a_victim_whose_demotion_cannot_pay_for_its_lease():
+    """Ten short requests (each a whole context smaller than the default lease, but more
+    than its demotable pages): demoting any of them frees less than its lease takes, so
+    relief frees nothing, marks nothing, and the scheduler is not asked to wait."""
+    mgr, pool = manager(num_blocks=60, host_pages=64, hot_rows=1024, proactive_copy=False)
+    for i in range(10):
+        mgr.add_request(f"r{i}", max_tokens=5 * BLOCK)
+        grow(mgr, pool, f"r{i}", 5, 5 * BLOCK)
+    for _ in range(60):
+        assert mgr.relieve_pressure(4) == 0
+        assert not mgr.relief_pending() and not mgr.defer_preemption()
+        mgr.complete_copies(mgr.plan_copies())
+        mgr.end_schedule()
+    assert mgr.counters.pages_demoted == 0 and mgr.counters.hot_leases == 0
+    mgr.check()
+
+
+def test_a_marked_victim_that_cannot_pay_when_its_copies_land_is_unmarked():
+    mgr, pool = manager(num_blocks=12, hot_rows=128, proactive_copy=False)  # two-block lease
+    mgr.add_request("a")
+    grow(mgr, pool, "a", 5, 5 * BLOCK)
+    assert mgr.relieve_pressure(2) == 0
+    copies = mgr.plan_copies()
+    assert len(copies) == 4 and mgr.relief_pending()
+    # Meanwhile another request shares the marked pages (a prefix hit): demoting them
+    # would free nothing, and the pool cannot spare the lease either.
+    for page in mgr.requests["a"].pages[:4]:
+        pool.hold(page.block_ids)
+    pool.take(pool.num_free_blocks())
+    assert mgr.complete_copies(copies) == 0
+    assert not mgr.relief_pending() and not mgr.defer_preemption(), "nothing left to wait for"
+    assert mgr.counters.victims_skipped == 1 and mgr.requests["a"].count(PageState.HOST) == 0
+    mgr.check()
+
+
+def test_preemption_waits_for_relief_a_bounded_number_of_steps():
+    mgr, pool = manager(num_blocks=16, hot_rows=64, proactive_copy=False)
+    mgr.add_request("a")
+    grow(mgr, pool, "a", 6, 6 * BLOCK)
+    mgr.relieve_pressure(2)
+    in_flight = mgr.plan_copies()  # copies that never land: a stalled worker
+    waited = 0
+    while mgr.defer_preemption():
+        assert mgr.defer_preemption(), "one step defers each of its requests alike"
+        mgr.end_schedule()
+        waited += 1
+        assert waited <= MAX_PREEMPTION_DEFERRALS
+    assert waited == MAX_PREEMPTION_DEFERRALS and mgr.counters.deferrals_exhausted == 1
+    mgr.end_schedule()  # a step that deferred nothing (the scheduler preempted)
+    assert mgr.defer_preemption(), "the next pressure may wait again"
+    mgr.end_schedule()
+    assert mgr.complete_copies(in_flight) > 0
+    mgr.check()
+
+
 class ResidencyMachine(RuleBasedStateMachine):
     """Random add / grow / copy / pressure / finish sequences keep every invariant."""
 
@@ -322,11 +399,15 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.in_flight: list[list] = []
         self.next_id = 0
         self.tokens: dict[str, int] = {}
+        self.max_tokens: dict[str, int | None] = {}
 
-    @rule(shared_prefix=st.integers(0, 3), restore=st.booleans())
-    def add(self, shared_prefix, restore):
+    @rule(shared_prefix=st.integers(0, 3), restore=st.booleans(), max_tokens=st.none() | st.integers(1, 800))
+    def add(self, shared_prefix, restore, max_tokens):
         """A new request; a host-only prefix is taken as placeholders plus a hot lease, or
-        (`restore`, a KV connector hit) restored into newly allocated blocks."""
+        (`restore`, a KV connector hit) restored into newly allocated blocks. `max_tokens`
+        bounds its context (None: unknown), which sizes its lease."""
+        if max_tokens is not None:
+            max_tokens = max(max_tokens, (shared_prefix + 4) * BLOCK)
         name = f"r{self.next_id}"
         self.next_id += 1
         hashes = [f"p{i}" for i in range(shared_prefix)] + [f"{name}-{i}" for i in range(4)]
@@ -335,18 +416,19 @@ class ResidencyMachine(RuleBasedStateMachine):
             for page in hits:
                 self.mgr.reserve_restore(name, page)
             blocks = self.pool.allocate_pages(name, len(hits), self.mgr.blocks_per_page)
-            self.mgr.add_request(name, hashes)
+            self.mgr.add_request(name, hashes, max_tokens)
             for block_ids, page in zip(blocks, hits, strict=True):
                 self.mgr.append_restored_page(name, block_ids, page)
         else:
-            self.mgr.add_request(name, hashes)
-            lease = self.mgr.lease() if hits else []
+            self.mgr.add_request(name, hashes, max_tokens)
+            lease = self.mgr.lease(self.mgr.requests[name].lease_blocks) if hits else []
             if not lease:
                 hits = []  # no room for a hot buffer: the prefix is recomputed
             self.pool.add_placeholders(name, len(hits))
             if hits:
                 self.mgr.append_host_pages(name, hits, lease)
         self.tokens[name] = len(hits) * BLOCK
+        self.max_tokens[name] = max_tokens
         self.mgr.advance(name, self.tokens[name])
 
     @precondition(lambda self: self.mgr.requests)
@@ -354,7 +436,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     def grow(self, data, new_tokens):
         name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
         req = self.mgr.requests[name]
-        target = self.tokens[name] + new_tokens
+        target = min(self.tokens[name] + new_tokens, self.max_tokens.get(name) or 1 << 30)
         need = max(-(-target // BLOCK) - len(req.pages), 0)
         blocks = need * self.mgr.blocks_per_page
         if blocks > self.pool.num_free_blocks():
@@ -401,6 +483,29 @@ class ResidencyMachine(RuleBasedStateMachine):
         assert self.pool.num_free_blocks() == free_before + freed
         for name, host_pages in hosted.items():
             assert self.mgr.requests[name].num_host_pages == host_pages, "a frozen request keeps its pages"
+
+    @precondition(lambda self: self.mgr.requests)
+    @rule(data=st.data(), blocks=st.integers(1, 12))
+    def wait_for_blocks(self, data, blocks):
+        """Liveness: while a request waits for blocks, every step frees some, or the
+        scheduler preempts after at most MAX_PREEMPTION_DEFERRALS steps that freed none,
+        whether or not the workers report their copies."""
+        protect = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        idle_steps = 0
+        for _ in range(3 * MAX_PREEMPTION_DEFERRALS):
+            free_before = self.pool.num_free_blocks()
+            if free_before >= blocks:
+                return
+            self.mgr.relieve_pressure(blocks - free_before, protect=protect)
+            if self.pool.num_free_blocks() >= blocks or not self.mgr.defer_preemption():
+                self.mgr.end_schedule()
+                return  # served, or the scheduler preempts
+            self.in_flight.append(self.mgr.plan_copies())
+            if data.draw(st.booleans()):
+                self.mgr.complete_copies(self.in_flight.pop())
+            self.mgr.end_schedule()
+            idle_steps = 0 if self.pool.num_free_blocks() > free_before else idle_steps + 1
+            assert idle_steps <= MAX_PREEMPTION_DEFERRALS, "preemption waited on relief that frees nothing"
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data())

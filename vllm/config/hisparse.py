@@ -41,6 +41,10 @@ FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
 # page it is writing: decode attention keeps picking recent tokens, so demoting
 # them would only turn into row misses on the next steps.
 RESIDENT_TAIL_PAGES = 1
+# Consecutive scheduling steps a preemption may wait for pages marked for
+# copy-then-free with nothing freed meanwhile: their copies land within a step or
+# two, so a longer wait means they cannot free anything, and the scheduler preempts.
+MAX_PREEMPTION_DEFERRALS = 4
 # The default hot buffer holds this many times the model's index top-K rows.
 DEFAULT_HOT_BUFFER_TOPK_MULTIPLE = 2
 # Block-outermost KV cache layout: KV cache groups with different page sizes

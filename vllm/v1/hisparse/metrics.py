@@ -34,6 +34,10 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
     ),
     "vllm:hisparse_host_pool_used_pages": ("Host pool pages referenced by requests.", "host_pages_used"),
     "vllm:hisparse_host_pool_pages": ("Host pool capacity in pages.", "host_pages_total"),
+    "vllm:hisparse_hot_lease_blocks": (
+        "Device blocks (all sparse-MLA groups) held as running requests' hot buffers.",
+        "hot_lease_blocks",
+    ),
     "vllm:hisparse_max_resolver_calls_per_layer_step": (
         "The most resolver calls one sparse-MLA layer made in one step so far (1: step-granular).",
         "max_resolver_calls_per_layer_step",
@@ -98,6 +102,14 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:hisparse_preemptions_avoided": (
         "Allocations that demotion served instead of a preemption.",
         "preemptions_avoided",
+    ),
+    "vllm:hisparse_victims_skipped": (
+        "Demotions refused because they could not free more blocks than the victim's hot lease.",
+        "victims_skipped",
+    ),
+    "vllm:hisparse_preemption_deferrals_exhausted": (
+        "Preemptions allowed after the most consecutive steps a preemption may wait for relief.",
+        "deferrals_exhausted",
     ),
     "vllm:hisparse_bytes_to_host": ("Bytes copied device -> host, all workers.", "bytes_to_host"),
     "vllm:hisparse_bytes_from_host": (

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 3
+HISPARSE_PLAN_VERSION = 4
 
 # What the workers count on the data path, reported per step in
 # ModelRunnerOutput.hisparse_counters. On the device: distinct rows loaded from the
@@ -86,7 +86,11 @@ class HostPageUpdate:
 
 @dataclass(frozen=True)
 class HotLeaseUpdate:
-    """A request's new hot lease: its hot buffer starts empty in these blocks."""
+    """A request's new hot lease: its hot buffer starts empty in these blocks.
+
+    Every lease has the default lease's width; a smaller one (a request whose whole
+    context fits in fewer rows) ends in null blocks, slots its resolver never uses.
+    """
 
     request_id: str
     block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, in the plan's group order

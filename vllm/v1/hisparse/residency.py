@@ -47,7 +47,7 @@ from collections.abc import Hashable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vllm.config.hisparse import RESIDENT_TAIL_PAGES
+from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS, RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
 from vllm.v1.hisparse.plan import PageCopy
 
@@ -111,6 +111,9 @@ class RequestResidency:
     as pages change state, so no decision rescans the pages a request holds."""
 
     request_id: str
+    # Blocks of its hot lease (all sparse-MLA groups): the default lease, or fewer when
+    # the request's whole context fits in fewer rows.
+    lease_blocks: int
     pages: list[Page] = field(default_factory=list)
     num_complete_pages: int = 0  # pages whose tokens are all computed (and cached)
     hot_blocks: list[int] = field(default_factory=list)
@@ -166,6 +169,10 @@ class ResidencyCounters:
     host_prefix_pages_reused: int = 0
     pages_restored: int = 0
     preemptions_avoided: int = 0
+    # Victims unmarked because demoting them could not pay for their lease, and
+    # preemptions allowed once deferrals reached MAX_PREEMPTION_DEFERRALS.
+    victims_skipped: int = 0
+    deferrals_exhausted: int = 0
 
 
 class ResidencyManager:
@@ -212,14 +219,34 @@ class ResidencyManager:
         # Requests with demotable BOTH pages (mode "always" demotes them at once).
         self._settled: dict[str, None] = {}
         self._page_counts = dict.fromkeys(PageState, 0)
+        # Consecutive scheduling steps that deferred a preemption with nothing freed since.
+        self._deferrals = 0
+        self._deferred_this_step = False
 
     # -- request lifecycle ---------------------------------------------------
 
-    def add_request(self, request_id: str, block_hashes: Sequence[Hashable] = ()) -> None:
-        """Register a request. `block_hashes` holds one hash per page (a live view is fine)."""
+    def add_request(
+        self, request_id: str, block_hashes: Sequence[Hashable] = (), max_tokens: int | None = None
+    ) -> None:
+        """Register a request. `block_hashes` holds one hash per page (a live view is fine);
+        `max_tokens`, the most tokens its context can reach, sizes its lease."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already registered")
-        self.requests[request_id] = RequestResidency(request_id, block_hashes=block_hashes)
+        self.requests[request_id] = RequestResidency(
+            request_id, self.lease_blocks_for(max_tokens), block_hashes=block_hashes
+        )
+
+    def lease_blocks_for(self, max_tokens: int | None) -> int:
+        """Blocks of the hot lease of a request whose context reaches at most `max_tokens`.
+
+        The hot buffer holds only HOST rows, and a request never has more of them
+        than its whole context: leasing more would take blocks nothing can use. A
+        lease this small covers every row the request can demote, so its buffer
+        never evicts and its steps never need staging rows.
+        """
+        if max_tokens is None:
+            return self.hot_lease_blocks
+        return min(self.hot_lease_blocks, -(-max_tokens // self.block_size) * self.blocks_per_page)
 
     def host_prefix(self, block_hashes: Sequence[Hashable], start_page: int = 0) -> list[int]:
         """Host pages holding durable copies of consecutive pages from `start_page` on."""
@@ -231,11 +258,13 @@ class ResidencyManager:
             pages.append(page)
         return pages
 
-    def lease(self) -> list[int]:
-        """Take a hot buffer's blocks from the pool (for a request about to start NONE)."""
-        if self.allocator.num_free_blocks() < self.hot_lease_blocks:
+    def lease(self, num_blocks: int | None = None) -> list[int]:
+        """Take a hot buffer's blocks from the pool (for a request about to start NONE);
+        `num_blocks` as `lease_blocks_for` sizes it, the default lease if None."""
+        num_blocks = self.hot_lease_blocks if num_blocks is None else num_blocks
+        if self.allocator.num_free_blocks() < num_blocks:
             return []
-        return self.allocator.take(self.hot_lease_blocks)
+        return self.allocator.take(num_blocks)
 
     def append_host_pages(
         self, request_id: str, host_pages: Sequence[int], hot_blocks: Sequence[int]
@@ -245,8 +274,10 @@ class ResidencyManager:
         if req.hot_blocks:
             self.allocator.give_back(hot_blocks)  # a lease it already holds serves these too
         else:
-            if len(hot_blocks) != self.hot_lease_blocks:
-                raise ValueError(f"a hot lease is {self.hot_lease_blocks} blocks, got {len(hot_blocks)}")
+            if len(hot_blocks) != req.lease_blocks:
+                raise ValueError(
+                    f"{request_id}'s hot lease is {req.lease_blocks} blocks, got {len(hot_blocks)}"
+                )
             req.hot_blocks = list(hot_blocks)
             self.counters.hot_leases += 1
             self._new_leases.append((request_id, req.hot_blocks))
@@ -496,7 +527,7 @@ class ResidencyManager:
             if freed_total >= blocks_needed:
                 break
             req = self.requests[request_id]
-            lease_cost = 0 if req.hot_blocks else self.hot_lease_blocks
+            lease_cost = 0 if req.hot_blocks else req.lease_blocks
             pages_wanted = math.ceil((blocks_needed - freed_total + lease_cost) / self.blocks_per_page)
             take = list(itertools.islice(
                 (i for i in req.both_demotable
@@ -519,6 +550,34 @@ class ResidencyManager:
             return True
         return any(self.requests[rid].pages[i].copying for rid, i in self._marked)
 
+    def defer_preemption(self) -> bool:
+        """Whether the scheduler should wait a step for marked pages instead of preempting.
+
+        Only while relief is pending, and for at most MAX_PREEMPTION_DEFERRALS
+        consecutive steps with nothing freed: copies land within a step or two, so
+        a longer wait means the marked pages cannot free anything and preempting is
+        the only way forward.
+        """
+        if not self.relief_pending():
+            return False
+        if not self._deferred_this_step:
+            if self._deferrals >= MAX_PREEMPTION_DEFERRALS:
+                self.counters.deferrals_exhausted += 1
+                return False
+            self._deferrals += 1
+            self._deferred_this_step = True
+        return True
+
+    def end_schedule(self) -> None:
+        """A scheduling step is over: a step that deferred nothing ends a run of deferrals."""
+        if not self._deferred_this_step:
+            self._deferrals = 0
+        self._deferred_this_step = False
+
+    def _pays_for_lease(self, req: RequestResidency, num_pages: int) -> bool:
+        """Whether demoting `num_pages` of the request's pages frees more blocks than its lease takes."""
+        return bool(req.hot_blocks) or num_pages * self.blocks_per_page > req.lease_blocks
+
     def _mark_for_demotion(self, num_pages: int, protect: str | None) -> None:
         for req in sorted(self.requests.values(), key=lambda r: -r.num_complete_pages):
             if num_pages <= 0:
@@ -527,12 +586,15 @@ class ResidencyManager:
                 continue
             demotable = req.num_demotable_pages
             candidates = sorted(i for i in (*req.copying, *req.uncopied) if i < demotable)
-            for index in candidates:
-                if num_pages <= 0:
-                    return
-                if not req.pages[index].demote_when_copied:
-                    self._mark(req, index)
-                    num_pages -= 1
+            already = sum(req.pages[i].demote_when_copied for i in candidates)
+            # A first demotion also pays for the lease, out of the pages it frees.
+            lease_pages = 0 if req.hot_blocks or already else -(-req.lease_blocks // self.blocks_per_page)
+            take = [i for i in candidates if not req.pages[i].demote_when_copied][: num_pages + lease_pages]
+            if not self._pays_for_lease(req, len(take) + already):
+                continue  # its demotion would cost more blocks than it frees
+            for index in take:
+                self._mark(req, index)
+            num_pages -= len(take) - lease_pages
 
     def _mark(self, req: RequestResidency, index: int) -> None:
         req.pages[index].demote_when_copied = True
@@ -556,7 +618,13 @@ class ResidencyManager:
             freeable = sum(
                 self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices
             )
-            if freeable + self.allocator.num_free_blocks() < self.hot_lease_blocks:
+            if freeable + self.allocator.num_free_blocks() < req.lease_blocks:
+                # It cannot pay for its lease: unmark, so no one waits on these pages.
+                for index in indices:
+                    if req.pages[index].demote_when_copied:
+                        req.pages[index].demote_when_copied = False
+                        self._marked.pop((req.request_id, index), None)
+                self.counters.victims_skipped += 1
                 return 0
         freed = 0
         demotable = req.num_demotable_pages
@@ -581,10 +649,12 @@ class ResidencyManager:
         self.counters.pages_demoted += len(indices)
         self._new_host_pages.extend((req.request_id, i, req.pages[i].host_page) for i in indices)
         if not req.hot_blocks:
-            req.hot_blocks = self.allocator.take(self.hot_lease_blocks)
-            freed -= self.hot_lease_blocks
+            req.hot_blocks = self.allocator.take(req.lease_blocks)
+            freed -= req.lease_blocks
             self.counters.hot_leases += 1
             self._new_leases.append((req.request_id, req.hot_blocks))
+        if freed > 0:
+            self._deferrals = 0
         return freed
 
     # -- observation ---------------------------------------------------------
@@ -628,9 +698,13 @@ class ResidencyManager:
             marked |= {(req.request_id, i) for i, p in enumerate(req.pages) if p.demote_when_copied}
             for state in states:
                 page_counts[state] += 1
-            assert len(req.hot_blocks) in (0, self.hot_lease_blocks)
+            assert len(req.hot_blocks) in (0, req.lease_blocks) and req.lease_blocks <= self.hot_lease_blocks
             if req.state is not RequestState.FULL:
                 assert req.hot_blocks, "a request with HOST pages has a hot buffer"
+            if req.lease_blocks < self.hot_lease_blocks:
+                assert req.num_host_pages * self.blocks_per_page <= req.lease_blocks, (
+                    "a lease sized to the whole context holds every HOST row"
+                )
             for page in req.pages:
                 if page.block_ids is None:
                     assert page.host_page is not None and not page.copying

@@ -94,6 +94,7 @@ class HiSparseScheduling:
             proactive_copy=config.proactive_copy,
         )
         self.hot_rows = config.device_buffer_size
+        self.max_model_len = vllm_config.model_config.max_model_len
         self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
         self.num_groups = len(groups)
         # Chunks scheduled this step whose staging counted their HOST pages: no demotion
@@ -158,9 +159,10 @@ class HiSparseScheduling:
 
         Relief marks resident pages for copy-then-free when no page is durable on
         the host yet; their copies run after this step, so preempting now would
-        throw away work the next step can keep.
+        throw away work the next step can keep. The wait is bounded (see
+        `ResidencyManager.defer_preemption`).
         """
-        if not self.issue_plans or not self.residency.relief_pending():
+        if not self.issue_plans or not self.residency.defer_preemption():
             return False
         self.residency.counters.preemptions_avoided += 1
         return True
@@ -277,7 +279,9 @@ class HiSparseScheduling:
             host_pages.pop(start + len(pages), None)
         if host_pages:
             hit = [b for group in blocks.blocks for b in group]
-            lease = self._lease_keeping(hit + [b for mla, other in pages for b in (mla or []) + other])
+            lease = self._lease_keeping(
+                request, hit + [b for mla, other in pages for b in (mla or []) + other]
+            )
             if lease:
                 self._pending_hits[request.request_id] = (host_pages, lease)
             else:
@@ -350,7 +354,7 @@ class HiSparseScheduling:
         if not on_host:
             return new_computed_blocks, num_external_tokens
         if pending is None:
-            lease = self._lease_keeping([b for group in new_computed_blocks.blocks for b in group])
+            lease = self._lease_keeping(request, [b for group in new_computed_blocks.blocks for b in group])
             if not lease:
                 self._connector_hits.pop(request_id, None)
                 return new_computed_blocks, 0
@@ -363,8 +367,12 @@ class HiSparseScheduling:
             extended[g].extend([null_block] * len(on_host))
         return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
 
-    def _lease_keeping(self, hit_blocks: list[KVCacheBlock]) -> list[int]:
-        """A hot lease for a request about to take `hit_blocks` from the prefix cache.
+    def _max_tokens(self, request: Request) -> int:
+        """The most tokens the request's context can reach: what its hot lease must cover."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
+    def _lease_keeping(self, request: Request, hit_blocks: list[KVCacheBlock]) -> list[int]:
+        """A hot lease for `request`, about to take `hit_blocks` from the prefix cache.
 
         Taking the lease may evict cached free blocks: the hit's are pinned meanwhile.
         When the pool is short of a lease, other requests' BOTH pages are demoted for
@@ -372,14 +380,15 @@ class HiSparseScheduling:
         """
         block_pool = self.kv_cache_manager.block_pool
         block_pool.touch(hit_blocks)
-        lease = self.residency.lease()
+        num_blocks = self.residency.lease_blocks_for(self._max_tokens(request))
+        lease = self.residency.lease(num_blocks)
         if not lease:
             # Under pressure, demote other requests' BOTH pages for the lease: without it the
-            # request recomputes its whole prefix, which needs far more blocks than the lease.
-            short = self.residency.hot_lease_blocks - self.blocks.num_free_blocks()
+            # request recomputes its whole prefix, which needs at least as many blocks.
+            short = num_blocks - self.blocks.num_free_blocks()
             protected = {b.block_id for b in hit_blocks}
             if self.residency.relieve_pressure(short, protected_blocks=protected, frozen=self._frozen) > 0:
-                lease = self.residency.lease()
+                lease = self.residency.lease(num_blocks)
         block_pool.free_blocks(hit_blocks)
         return lease
 
@@ -444,6 +453,7 @@ class HiSparseScheduling:
                                        tuple(tuple(blocks[g::k]) for g in range(k))))
         self._unplaced.difference_update(scheduler_output.num_scheduled_tokens)
         self._frozen.clear()
+        self.residency.end_schedule()
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
             mla_group_ids=self.mla_group_ids,
@@ -451,11 +461,19 @@ class HiSparseScheduling:
             block_table_updates=tuple(updates),
             restores=tuple(restores),
             host_pages=tuple(HostPageUpdate(*change) for change in new_host_pages),
-            leases=tuple(
-                HotLeaseUpdate(rid, tuple(tuple(blocks[g::k]) for g in range(k)))
-                for rid, blocks in new_leases
-            ),
+            leases=tuple(self._lease_update(rid, blocks) for rid, blocks in new_leases),
             staging=tuple(staging),
+        )
+
+    def _lease_update(self, request_id: str, blocks: list[int]) -> HotLeaseUpdate:
+        """A lease as the workers map it: every group's blocks, padded to the default lease
+        with the null block (a smaller lease covers all the request's HOST rows, so its
+        resolver never places a row past them)."""
+        k = len(self.mla_group_ids)
+        width = self.residency.hot_lease_blocks // k
+        return HotLeaseUpdate(
+            request_id,
+            tuple(tuple(blocks[g::k]) + (self.null_block_id,) * (width - len(blocks) // k) for g in range(k)),
         )
 
     def on_model_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
@@ -505,7 +523,9 @@ class HiSparseScheduling:
         residency = self.residency
         if request_id not in residency.requests:
             # The request's own list: it grows as the request decodes.
-            residency.add_request(request_id, request.block_hashes if self.enable_caching else ())
+            residency.add_request(
+                request_id, request.block_hashes if self.enable_caching else (), self._max_tokens(request)
+            )
         req = residency.requests[request_id]
         tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
         pending = self._pending_hits.pop(request_id, None)
@@ -556,6 +576,9 @@ class HiSparseScheduling:
             # Pages of KV connector hits restored from the host pool.
             pages_restored=counters.pages_restored,
             preemptions_avoided=counters.preemptions_avoided,
+            victims_skipped=counters.victims_skipped,
+            deferrals_exhausted=counters.deferrals_exhausted,
+            hot_lease_blocks=sum(len(req.hot_blocks) for req in self.residency.requests.values()),
             copies_in_flight=len(self._in_flight),
             # Rows leased for one step to stage misses beyond hot buffers, and chunks
             # shortened because the pool could not spare them.
