@@ -174,6 +174,10 @@ ARCHS: dict[str, ArchInfo] = {
 
 # Byte-level BPE starts from 256 byte tokens; leave room for the specials and some merges.
 MIN_VOCAB_SIZE = 320
+# The released models' index top-K (GLM-5.x, DeepSeek-V3.2), and positions enough for
+# contexts well past it.
+PRODUCTION_INDEX_TOPK = 2048
+PRODUCTION_MAX_POSITIONS = 8192
 
 
 @dataclass(frozen=True)
@@ -657,6 +661,15 @@ def _add_mtp_layers(spec: TinyModelSpec, weights: Path) -> None:
     save_file(tensors, str(weights), metadata=metadata)
 
 
+def production_topk(spec: TinyModelSpec) -> TinyModelSpec:
+    """`spec` with the released models' index top-K (2048) and room for contexts past it."""
+    return dataclasses.replace(
+        spec,
+        index_topk=PRODUCTION_INDEX_TOPK,
+        max_position_embeddings=max(spec.max_position_embeddings, PRODUCTION_MAX_POSITIONS),
+    )
+
+
 def tiny_model_dir(spec: TinyModelSpec, cache_root: str | os.PathLike[str]) -> Path:
     """The cached checkpoint for ``spec`` under ``cache_root``, building it on first use.
 
@@ -727,6 +740,12 @@ def _parser() -> argparse.ArgumentParser:
             f"--{flag}", dest=field, type=type(default), default=default, help=f"default: {default}"
         )
     parser.add_argument("--dtype", choices=get_args(Dtype), default=defaults.dtype)
+    parser.add_argument(
+        "--production-topk",
+        action="store_true",
+        help=f"the released models' index top-K ({PRODUCTION_INDEX_TOPK}) and at least "
+        f"{PRODUCTION_MAX_POSITIONS} positions (overrides --index-topk)",
+    )
     return parser
 
 
@@ -736,6 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     try:
         spec = TinyModelSpec(**values)
+        if args.production_topk:
+            spec = production_topk(spec)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -190,6 +190,29 @@ def test_sparse_attention_reads_exactly_the_indexer_choice_and_differs_from_dens
     assert (out[topk:] - dense[topk:]).abs().amax() > 1e-2, "beyond top-K keys the selection must matter"
 
 
+def test_sparse_attention_drops_padding_only_where_every_query_has_it():
+    """Queries early in a prefill select few rows; their -1 padding, front-packed or
+    scattered, changes neither the rows a query attends nor its result."""
+    gen = torch.Generator().manual_seed(7)
+    latent, width, num_rows = 8, 12, 40
+    kv_rows = torch.randn(num_rows, width, generator=gen)
+    q = torch.randn(6, 2, width, generator=gen)
+    rows = torch.full((6, 16), -1, dtype=torch.long)
+    for t in range(6):
+        rows[t, : 2 * t + 1] = torch.randperm(num_rows, generator=gen)[: 2 * t + 1]
+    scattered = rows.gather(1, torch.argsort(torch.rand(6, 16, generator=gen), dim=1))
+    expected = brute_sparse_attention(q, kv_rows, rows, width**-0.5, latent)
+    for selection in (rows, scattered):
+        out = dsa_torch.sparse_mla_attention(q, kv_rows, selection, width**-0.5, latent)
+        assert torch.allclose(out.double(), expected, atol=1e-6)
+    packed = dsa_torch._packed_rows(scattered)
+    assert packed.shape == (6, 11), "as wide as the widest selection"
+    for t in range(6):
+        assert packed[t][packed[t] >= 0].tolist() == scattered[t][scattered[t] >= 0].tolist(), "order kept"
+    no_padding = rows[:, :1]
+    assert dsa_torch._packed_rows(no_padding) is no_padding
+
+
 def test_cpu_indexer_fills_the_shared_buffer_per_request(monkeypatch):
     """Two requests in one step, the second continuing a chunked prefill."""
     gen = torch.Generator().manual_seed(3)

@@ -381,6 +381,16 @@ def test_cli_builds_and_prints_the_path(tmp_path, capsys):
     assert json.loads((out / tm.SPEC_FILE).read_text())["seed"] == 5
 
 
+def test_production_topk_gives_the_released_models_top_k_and_room_past_it(tmp_path, capsys):
+    spec = tm.production_topk(tm.TinyModelSpec(arch="deepseek_v32", index_topk=32))
+    assert (spec.index_topk, spec.max_position_embeddings) == (2048, 8192)
+    assert spec.index_topk < spec.max_position_embeddings, "contexts can be longer than the top-K"
+    out = tmp_path / "production"
+    assert tm.main(["glm5", str(out), "--production-topk", "--index-topk", "64"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["index_topk"], config["max_position_embeddings"]) == (2048, 8192)
+
+
 def test_cli_errors_and_warnings(tmp_path, capsys):
     assert tm.main(["glm5", str(tmp_path / "x"), "--layers", "0"]) == 2
     assert "num_hidden_layers must be positive" in capsys.readouterr().err

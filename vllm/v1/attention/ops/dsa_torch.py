@@ -149,6 +149,21 @@ def positions_to_slots(
     return rows.masked_fill_(~valid, -1)
 
 
+def _packed_rows(ids: torch.Tensor) -> torch.Tensor:
+    """The selections of a chunk of queries with their `-1` padding dropped where every
+    query has it: a query early in a long prefill selects far fewer than K rows, and
+    gathering the padding would cost as much as a full selection. Each query keeps its
+    rows in order (stably moved ahead of its padding), so the result is the same."""
+    valid = ids >= 0
+    used = int(valid.sum(dim=1).max()) if ids.numel() else 0
+    if used == ids.shape[1]:
+        return ids
+    if not bool((valid[:, used:]).any()):
+        return ids[:, :used]
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :used]
+    return ids.gather(1, order)
+
+
 def sparse_mla_attention(
     q: torch.Tensor, kv_rows: torch.Tensor, rows: torch.Tensor, scale: float, v_dim: int
 ) -> torch.Tensor:
@@ -161,7 +176,7 @@ def sparse_mla_attention(
     out = torch.zeros(q.shape[0], q.shape[1], v_dim, dtype=torch.float32)
     for start in range(0, q.shape[0], ATTENTION_TOKEN_CHUNK):
         stop = min(start + ATTENTION_TOKEN_CHUNK, q.shape[0])
-        ids = rows[start:stop]
+        ids = _packed_rows(rows[start:stop])
         valid = ids >= 0
         selected = kv_rows[ids.clamp(min=0)].float()  # [t, K, D]
         scores = torch.einsum("tnd,tkd->tnk", q[start:stop].float(), selected) * scale
