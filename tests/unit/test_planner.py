@@ -1,0 +1,377 @@
+"""The capacity planner (`python -m vllm.v1.hisparse.planner`) on GLM-5's published shapes.
+
+Planning needs no engine: these build vLLM's configs and KV cache configs for the
+full-size model in about a second each. Whether the numbers are the engine's is
+pinned against real engines in tests/e2e/test_planner_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+from vllm.config.hisparse import FP8_SPARSE_MLA_BYTES_PER_TOKEN, RESIDENT_TAIL_PAGES, SPARSE_MLA_PAGE_TOKENS
+from vllm.v1.hisparse import planner
+from vllm.v1.hisparse.planner import (
+    GLM5_PRESET,
+    PlannerError,
+    PlanRequest,
+    estimate_weights,
+    layer_has_indexer,
+    main,
+    plan,
+)
+
+GiB = 1 << 30
+# The announcement's node: GLM-5 FP8 on 8 x H200 (141 GB) at TP=8, FP8 KV cache,
+# a 384 GiB HiSparse pool and a 128 GiB OffloadingConnector tier.
+ANNOUNCEMENT = dict(
+    model=GLM5_PRESET,
+    tensor_parallel_size=8,
+    gpu_memory_gib=141,
+    kv_cache_dtype="fp8",
+    weights_dtype="fp8",
+    hisparse_config={"host_pool_gib": 384},
+    kv_transfer_config={
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 128 * GiB},
+    },
+    max_num_batched_tokens=8192,
+    max_num_seqs=1024,
+)
+MILLION = 1 << 20
+# Far more blocks than any session here needs, so the session counts are not the limit.
+KV_BYTES = 32 * GiB
+
+
+@pytest.fixture(scope="module")
+def announcement() -> planner.Plan:
+    return plan(PlanRequest(**ANNOUNCEMENT))
+
+
+def glm5(**changes) -> planner.Plan:
+    return plan(
+        PlanRequest(**{**ANNOUNCEMENT, "gpu_memory_gib": None, "kv_cache_memory_bytes": KV_BYTES, **changes})
+    )
+
+
+def usable_blocks(configuration: planner.ConfigurationPlan) -> int:
+    return configuration.num_blocks - 1
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def test_the_glm5_preset_is_transformers_glm_moe_dsa_defaults():
+    preset = planner.glm5_preset_config()
+    defaults = GlmMoeDsaConfig().to_dict()
+    assert preset["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert {k: v for k, v in preset.items() if k not in ("architectures", "dtype")} == {
+        k: v for k, v in defaults.items() if k not in ("architectures", "dtype")
+    }
+
+
+def test_glm5_kv_per_token_is_fp8_ds_mla_latents_and_fp8_indexer_keys_on_every_layer(announcement):
+    config = GlmMoeDsaConfig()
+    layers = config.num_hidden_layers
+    assert announcement.kv_cache_dtype == "fp8_ds_mla"
+    assert announcement.sparse_mla_bytes_per_token == FP8_SPARSE_MLA_BYTES_PER_TOKEN * layers
+    # fp8 keys plus one float32 scale per 128 values, one key per token and layer
+    assert (
+        announcement.indexer_bytes_per_token
+        == (config.index_head_dim + config.index_head_dim // 128 * 4) * layers
+    )
+    assert announcement.num_indexer_layers == layers
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"index_topk_freq": 1},
+        {"index_topk_freq": 2},
+        {"index_topk_freq": 4},
+        {"index_topk_freq": 3, "index_skip_topk_offset": 4},
+        {"index_topk_pattern": "FSSFSFFS"},
+    ],
+)
+def test_indexer_layers_follow_the_checkpoints_sharing_pattern(shape):
+    config = GlmMoeDsaConfig(num_hidden_layers=8, **shape)
+    assert [layer_has_indexer(config, i) for i in range(8)] == [t == "full" for t in config.indexer_types]
+    assert layer_has_indexer(config, 8), "an MTP drafter's layer always has its own indexer"
+
+
+def test_weights_estimate_matches_the_published_parameter_counts():
+    # GLM-5: 744B parameters; DeepSeek-V3.2: 671B (without its MTP module).
+    assert estimate_weights(GlmMoeDsaConfig(), 1, "bfloat16").total_params == pytest.approx(744e9, rel=0.01)
+    assert estimate_weights(DeepseekV32Config(), 1, "bfloat16").total_params == pytest.approx(671e9, rel=0.01)
+
+
+def test_tensor_parallelism_splits_weights_but_keeps_replicated_projections_whole():
+    config = GlmMoeDsaConfig()
+    one, eight = (estimate_weights(config, tp, "fp8").bytes_per_gpu for tp in (1, 8))
+    assert one / 8 < eight < one / 4
+    assert estimate_weights(config, 8, "bfloat16").bytes_per_gpu > 1.9 * eight
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_tensor_parallelism_does_not_divide_the_kv_cache_per_token():
+    """Under MLA every TP rank holds the whole latent cache: the same KV bytes per GPU hold
+    the same blocks at TP 4 and 8. HiSparse's host pool keeps a copy per TP worker."""
+    tp4, tp8 = glm5(tensor_parallel_size=4), glm5(tensor_parallel_size=8)
+    for name in planner.CONFIGURATIONS:
+        assert tp4.configuration(name).num_blocks == tp8.configuration(name).num_blocks
+        assert tp4.configuration(name).device_tokens == tp8.configuration(name).device_tokens
+    assert (
+        tp8.configuration("hybrid").host_bytes_per_leased
+        == 2 * tp4.configuration("hybrid").host_bytes_per_leased
+    )
+
+
+def test_sessions_fill_the_device_and_the_host_pool_without_overflowing_them(announcement):
+    for c in announcement.configurations:
+        usable = usable_blocks(c)
+        assert (
+            c.full_sessions * c.session_blocks_full <= usable < (c.full_sessions + 1) * c.session_blocks_full
+        )
+    hybrid = announcement.configuration("hybrid")
+    leased, full = hybrid.session_blocks_leased, hybrid.session_blocks_full
+    used = hybrid.leased_sessions * leased + hybrid.full_beside_leased * full
+    assert used <= usable_blocks(hybrid) < used + full
+    assert (
+        hybrid.host_bytes_used
+        == hybrid.leased_sessions * hybrid.host_bytes_per_leased
+        <= hybrid.host_pool_bytes
+    )
+    one_more_fits_device = usable_blocks(hybrid) >= (hybrid.leased_sessions + 1) * leased
+    one_more_fits_host = hybrid.host_pool_bytes >= (hybrid.leased_sessions + 1) * hybrid.host_bytes_per_leased
+    assert not (one_more_fits_device and one_more_fits_host)
+
+
+def test_a_leased_session_keeps_every_indexer_page_but_only_its_tail_and_hot_lease_of_latents(announcement):
+    hybrid = announcement.configuration("hybrid")
+    *mla_groups, _ = hybrid.group_layers
+    pages = math.ceil(announcement.session_tokens / SPARSE_MLA_PAGE_TOKENS)
+    lease_pages = math.ceil(announcement.hot_buffer_rows / SPARSE_MLA_PAGE_TOKENS)
+    assert announcement.hot_buffer_rows == 2 * announcement.index_topk
+    assert hybrid.session_blocks_full == pages * (len(mla_groups) + 1)
+    # Every indexer page; per sparse-MLA group the hot lease, the resident tail and the
+    # pages a decode step may write (the current one and the next).
+    step_pages = 2
+    assert hybrid.session_blocks_leased == pages + len(mla_groups) * (
+        lease_pages + RESIDENT_TAIL_PAGES + step_pages
+    )
+
+
+def test_a_leased_session_needs_its_pages_but_the_tail_in_the_pool_once_per_tp_worker(announcement):
+    hybrid = announcement.configuration("hybrid")
+    page_bytes = FP8_SPARSE_MLA_BYTES_PER_TOKEN * SPARSE_MLA_PAGE_TOKENS * GlmMoeDsaConfig().num_hidden_layers
+    complete_pages = announcement.session_tokens // SPARSE_MLA_PAGE_TOKENS
+    copies = ANNOUNCEMENT["tensor_parallel_size"]
+    assert hybrid.host_bytes_per_leased == (complete_pages - RESIDENT_TAIL_PAGES) * page_bytes * copies
+    pool_pages = int(ANNOUNCEMENT["hisparse_config"]["host_pool_gib"] * GiB) // (page_bytes * copies)
+    assert hybrid.host_pool_bytes == pool_pages * page_bytes * copies
+
+
+def test_hybrid_runs_more_agentic_sessions_than_full_residency(announcement):
+    none, offload, hybrid = (announcement.configuration(n) for n in planner.CONFIGURATIONS)
+    assert none.running_sessions == offload.running_sessions == none.full_sessions
+    assert hybrid.leased_sessions > 0
+    assert hybrid.running_sessions > none.running_sessions
+    assert offload.connector_tokens and hybrid.connector_tokens and none.connector_tokens is None
+
+
+def test_a_million_token_request_needs_hisparse_and_a_pool_of_one_copy_per_tp_worker():
+    needed_pages = math.ceil(MILLION / SPARSE_MLA_PAGE_TOKENS)
+    page_bytes = FP8_SPARSE_MLA_BYTES_PER_TOKEN * SPARSE_MLA_PAGE_TOKENS * GlmMoeDsaConfig().num_hidden_layers
+    pool_gib = needed_pages * page_bytes * 8 / GiB
+    short = glm5(max_model_len=MILLION, hisparse_config={"host_pool_gib": math.floor(pool_gib)})
+    enough = glm5(max_model_len=MILLION, hisparse_config={"host_pool_gib": math.ceil(pool_gib)})
+    for result in (short, enough):
+        for name in ("none", "offload"):
+            assert not result.configuration(name).starts
+            assert "KV cache" in result.configuration(name).max_model_len_refusal
+            assert result.configuration(name).longest_context < MILLION
+    assert "host_pool_gib" in short.configuration("hybrid").max_model_len_refusal
+    assert short.configuration("hybrid").longest_context < MILLION
+    assert enough.configuration("hybrid").starts
+    assert enough.configuration("hybrid").longest_context >= MILLION
+
+
+def test_the_longest_context_is_the_start_up_checks_boundary():
+    result = glm5(max_model_len=MILLION)
+    for c in result.configurations:
+        assert c.refusal_at(c.longest_context) is None
+        assert c.refusal_at(c.longest_context + 1) is not None
+        assert (c.refusal_at(MILLION) is None) == c.starts
+
+
+def test_mode_always_keeps_no_session_fully_resident():
+    result = glm5(hisparse_config={"host_pool_gib": 384, "mode": "always"})
+    hybrid = result.configuration("hybrid")
+    assert hybrid.full_sessions == hybrid.full_beside_leased == 0
+    assert hybrid.running_sessions == hybrid.leased_sessions > 0
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+HISPARSE_FLAG = ("--attention-config", '{"hisparse_config":{"host_pool_gib":384}}')
+
+
+def test_the_command_prints_every_configuration_as_json(capsys):
+    code, out, _ = run(
+        capsys,
+        "--model",
+        GLM5_PRESET,
+        "-tp",
+        "8",
+        "--gpu-memory-gib",
+        "141",
+        "--kv-cache-dtype",
+        "fp8",
+        "--weights-dtype",
+        "fp8",
+        "--max-model-len",
+        "200k",
+        *HISPARSE_FLAG,
+        "--kv-offloading-size",
+        "128",
+        "--format",
+        "json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert [c["name"] for c in result["configurations"]] == list(planner.CONFIGURATIONS)
+    assert result["max_model_len"] == 200_000 and result["max_num_batched_tokens"] == 8192
+    assert result["weights"]["dtype"] == "fp8"
+
+
+def test_the_markdown_table_has_a_row_per_configuration(capsys):
+    code, out, _ = run(
+        capsys,
+        GLM5_PRESET,
+        "-tp",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(KV_BYTES),
+        "--kv-cache-dtype",
+        "fp8",
+        *HISPARSE_FLAG,
+        "--format",
+        "markdown",
+    )
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0].removeprefix("| ").split()[0] for row in rows[1:]] == list(
+        planner.CONFIGURATIONS
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (
+            ("--model", "/nonexistent/model", *HISPARSE_FLAG),
+            "--model /nonexistent/model: no config.json at /nonexistent/model",
+        ),
+        (
+            ("--model", GLM5_PRESET, "--attention-config", "{hisparse_config: 1}"),
+            "--attention-config is not valid JSON",
+        ),
+        (("--model", GLM5_PRESET, "--attention-config", "{}"), "has no hisparse_config with a host_pool_gib"),
+        ((GLM5_PRESET, *HISPARSE_FLAG), "--kv-cache-memory-bytes"),
+        (
+            (
+                GLM5_PRESET,
+                *HISPARSE_FLAG,
+                "--kv-cache-memory-bytes",
+                "1G",
+                "--kv-transfer-config",
+                '{"kv_connector":"NixlConnector"}',
+            ),
+            "kv_connector 'NixlConnector'",
+        ),
+        (
+            (GLM5_PRESET, *HISPARSE_FLAG, "--gpu-memory-gib", "141", "--weights-dtype", "bfloat16"),
+            "raise --tensor-parallel-size",
+        ),
+        (
+            (
+                GLM5_PRESET,
+                *HISPARSE_FLAG,
+                "--kv-cache-memory-bytes",
+                "1G",
+                "--max-model-len",
+                "100000",
+                "--session-tokens",
+                "142000",
+            ),
+            "--session-tokens 142,000 exceeds the max_model_len 100,000",
+        ),
+        (
+            (
+                GLM5_PRESET,
+                "-tp",
+                "8",
+                *HISPARSE_FLAG,
+                "--kv-cache-memory-bytes",
+                "1G",
+                "--speculative-config",
+                '{"method":"mtp","num_speculative_tokens":3}',
+            ),
+            "no MTP layers",
+        ),
+    ],
+)
+def test_bad_input_names_the_value_and_the_fix(capsys, argv, named):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert named in err
+
+
+def test_a_config_without_sparse_mla_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    )
+    code, _, err = run(capsys, "--model", str(tmp_path), *HISPARSE_FLAG, "--kv-cache-memory-bytes", "1G")
+    assert code == 2
+    assert "without sparse MLA" in err and "llama" in err
+
+
+def test_a_config_that_is_not_json_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(PlannerError, match="is not valid JSON"):
+        planner.read_model_config(str(tmp_path))
+
+
+def test_a_model_len_that_starts_nowhere_fails_naming_the_longest_that_does(capsys):
+    code, out, err = run(
+        capsys,
+        GLM5_PRESET,
+        "-tp",
+        "8",
+        "--kv-cache-memory-bytes",
+        "4G",
+        "--kv-cache-dtype",
+        "fp8",
+        "--attention-config",
+        '{"hisparse_config":{"host_pool_gib":16}}',
+        "--max-model-len",
+        "1M",
+    )
+    assert code == 1
+    assert "Hybrid HiSparse capacity plan" in out
+    assert "--max-model-len 1,048,576 starts in no configuration" in err
+    assert "Lower --max-model-len" in err
