@@ -123,8 +123,9 @@ class VllmServer:
             self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
 
-    def complete(self, prompt: list[int], max_tokens: int) -> dict:
-        request = self._request({"prompt": prompt, "max_tokens": max_tokens})
+    def complete(self, prompt: list[int], max_tokens: int, **fields: object) -> dict:
+        """A greedy completion; `fields` add to or override the request body (e.g. `cache_salt`)."""
+        request = self._request({"prompt": prompt, "max_tokens": max_tokens, **fields})
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())
 
