@@ -19,7 +19,14 @@ import random
 
 import pytest
 import tiny_models
-from engine import metric_total, model_dir, offloading_connector, running_llm
+from engine import (
+    metric_total,
+    model_dir,
+    offloading_connector,
+    prefill_chunks,
+    running_llm,
+    scheduled_chunks,
+)
 
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
@@ -491,15 +498,25 @@ def test_mtp_drafts_and_tokens_under_pressure_equal_the_all_resident_run():
 
 def test_mtp_second_turns_start_from_host_prefixes_like_the_all_resident_run():
     """Host prefix reuse with an MTP drafter: its blocks, cached with the indexer's, stay
-    on the device, so a second turn takes its host-only pages and computes nothing again."""
+    on the device, so a second turn takes its host-only pages and computes nothing again.
+
+    Under pressure, staging and leases shorten prefill chunks; the all-resident run
+    replays the HiSparse run's chunks (with a budget that never shortens them
+    further), so both compute every prompt in the same pieces."""
     model = model_dir(SIX_LAYERS_MTP)
+    chunks: dict = {}
+    replayed: dict = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        reference = two_turns(model, speculative_config=MTP, max_num_batched_tokens=128)
-        tokens, tokens2, cached2, stats, preemptions, _ = two_turns(
-            model, churn=True, speculative_config=MTP, attention_config=hisparse(), **MTP_PRESSURE
-        )
+        with prefill_chunks(record=chunks):
+            tokens, tokens2, cached2, stats, preemptions, _ = two_turns(
+                model, churn=True, speculative_config=MTP, attention_config=hisparse(), **MTP_PRESSURE
+            )
+        with prefill_chunks(record=replayed, replay=chunks):
+            reference = two_turns(model, speculative_config=MTP, max_num_batched_tokens=1024)
     assert stats["request_steps_none"] > 0 and stats["host_prefix_pages_reused"] > 0
     assert preemptions == 0
+    assert any(len(sizes) > 1 for sizes in scheduled_chunks(chunks).values()), "prefills were chunked"
+    assert scheduled_chunks(replayed) == scheduled_chunks(chunks), "both runs chunked alike"
     assert cached2 == reference[2]
     assert (tokens, tokens2) == reference[:2]

@@ -69,3 +69,58 @@ def offloading_connector(spec_name: str, cpu_bytes: int = 64 << 20, label: str =
 def metric_total(llm, name: str) -> float:
     """Sum of a counter (all label sets) as the engine's Prometheus registry reports it."""
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+@contextmanager
+def prefill_chunks(record: dict | None = None, replay: dict | None = None) -> Iterator[None]:
+    """Record the prefill chunks in-process engines schedule, or cap theirs to recorded ones.
+
+    Keys are (prompt token ids, tokens computed before the chunk); values are the
+    chunk's size. Replaying a run's chunks in a run whose token budget is at least as
+    large makes the second compute every prompt in the same pieces. That matters to
+    an oracle: the indexer scores queries against fp8 keys, and a chunk of another
+    length changes the shapes of its matmuls, which alone (even in fp32) can move a
+    score across a near-tie and swap a token in the top-K.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cap, schedule = Scheduler._reserve_prefill_lookahead, Scheduler.schedule
+
+    def capped(self, request, num_computed_tokens, num_new_tokens):
+        num_new_tokens = cap(self, request, num_computed_tokens, num_new_tokens)
+        key = (tuple(request.prompt_token_ids), num_computed_tokens)
+        if replay is not None and key in replay and num_computed_tokens < request.num_prompt_tokens:
+            num_new_tokens = min(num_new_tokens, replay[key])
+        return num_new_tokens
+
+    def recorded(self, *args, **kwargs):
+        output = schedule(self, *args, **kwargs)
+        for request_id, n in output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens - n
+            if start < request.num_prompt_tokens:
+                record[(tuple(request.prompt_token_ids), start)] = n
+        return output
+
+    Scheduler._reserve_prefill_lookahead = capped
+    if record is not None:
+        Scheduler.schedule = recorded
+    try:
+        yield
+    finally:
+        Scheduler._reserve_prefill_lookahead, Scheduler.schedule = cap, schedule
+
+
+def scheduled_chunks(record: dict) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's chunk sizes, in order, from a `prefill_chunks` record."""
+    by_prompt: dict[tuple[int, ...], dict[int, int]] = {}
+    for (prompt, start), size in record.items():
+        by_prompt.setdefault(prompt, {})[start] = size
+    chunks = {}
+    for prompt, sizes in by_prompt.items():
+        start, out = min(sizes), []
+        while start in sizes:
+            out.append(sizes[start])
+            start += sizes[start]
+        chunks[prompt] = out
+    return chunks
