@@ -455,11 +455,6 @@ class TestAbortsAndBadInput:
         assert tokens(again) == tokens(first), "the same seed sampled different tokens"
         pressured.assert_returned_everything()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="vLLM 0.29.0: the tokenizer's max_token_id is its vocab size, one past the last id, "
-        "so id == vocab size passes validation and crashes the embedding (fix pending)",
-    )
     def test_out_of_vocabulary_token_ids_are_refused_with_a_400(self, pressured):
         server = pressured.live()
         prompt = random_prompt(random.Random(16), 40)
@@ -550,11 +545,6 @@ def stream_to_the_end(url: str, body: dict, first_token: threading.Event) -> str
         first_token.set()  # a stream that ended before any token must not be waited for
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM 0.29.0: the tiering offload region /dev/shm/vllm_offload_<engine id>.mmap is removed "
-    "only by the worker that created it, which a force-killed engine never reaches (fix pending)",
-)
 def test_a_killed_worker_fails_requests_and_the_server_exits_leaving_nothing_behind(
     sparse_glm5_dir, tmp_path
 ):

@@ -35,6 +35,12 @@ def test_every_patch_header_states_what_why_how_and_when_to_drop():
         assert "<fill in>" not in patch.header, f"{patch.name} header still has placeholders"
 
 
+def test_the_docs_index_lists_every_patch_of_the_series_in_order():
+    docs = (patches.REPO / "docs" / "patches.md").read_text()
+    indexed = [line.split("`")[1] for line in docs.splitlines() if line.startswith("| `0")]
+    assert indexed == [name.removesuffix(".patch") for name in patches.SERIES_FILE.read_text().split()]
+
+
 def test_checksums_cover_exactly_the_patched_files():
     series = load_series()
     sums = json.loads(patches.CHECKSUMS_FILE.read_text())

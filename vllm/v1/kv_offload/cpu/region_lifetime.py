@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""When the name of the KV offload connector's shared host region may go.
+
+Owns one decision for ``SharedOffloadRegion`` (``/dev/shm/vllm_offload_<engine
+id>.mmap``): the file's name is only a rendezvous. Once every process that maps
+the region has done so, the name can be unlinked; the memory stays valid for
+every mapping and the kernel frees it when the last one closes, however its
+process ends (a killed worker or engine included).
+
+``CPUOffloadingSpec`` already drops the name behind a barrier of its workers.
+``TieringOffloadingSpec`` cannot: its scheduler-side manager maps the region
+after the workers created it, so upstream leaves the name until the creating
+worker's orderly cleanup, which a killed worker never reaches. The scheduler
+side is the last to map (the engine builds its scheduler after the workers'
+KV caches), so it drops the name once it has joined.
+
+It never creates, maps or sizes a region, and never removes a name the calling
+process created: a creator has no proof that anyone else has joined.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def release_name_after_last_join(path: str, *, creator: bool) -> bool:
+    """Unlink the region's name from the last process to map it, if that process joined it.
+
+    Returns whether the name was removed. A creator's own cleanup later finds the
+    name gone, which is not an error.
+    """
+    if creator:
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    logger.info("Unlinked shared offload region name %s: every process has mapped it", path)
+    return True
