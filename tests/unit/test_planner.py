@@ -122,15 +122,14 @@ def test_tensor_parallelism_splits_weights_but_keeps_replicated_projections_whol
 
 def test_tensor_parallelism_does_not_divide_the_kv_cache_per_token():
     """Under MLA every TP rank holds the whole latent cache: the same KV bytes per GPU hold
-    the same blocks at TP 4 and 8. HiSparse's host pool keeps a copy per TP worker."""
+    the same blocks at TP 4 and 8. The node's TP ranks share one copy of a demoted page in
+    HiSparse's host pool, so the pool holds as many pages at TP 8 as at TP 4."""
     tp4, tp8 = glm5(tensor_parallel_size=4), glm5(tensor_parallel_size=8)
     for name in planner.CONFIGURATIONS:
         assert tp4.configuration(name).num_blocks == tp8.configuration(name).num_blocks
         assert tp4.configuration(name).device_tokens == tp8.configuration(name).device_tokens
-    assert (
-        tp8.configuration("hybrid").host_bytes_per_leased
-        == 2 * tp4.configuration("hybrid").host_bytes_per_leased
-    )
+    for field in ("host_bytes_per_leased", "host_pool_bytes"):
+        assert getattr(tp8.configuration("hybrid"), field) == getattr(tp4.configuration("hybrid"), field)
 
 
 def test_sessions_fill_the_device_and_the_host_pool_without_overflowing_them(announcement):
@@ -168,14 +167,13 @@ def test_a_leased_session_keeps_every_indexer_page_but_only_its_tail_and_hot_lea
     )
 
 
-def test_a_leased_session_needs_its_pages_but_the_tail_in_the_pool_once_per_tp_worker(announcement):
+def test_a_leased_session_needs_its_pages_but_the_tail_in_the_node_pool_once(announcement):
     hybrid = announcement.configuration("hybrid")
     page_bytes = FP8_SPARSE_MLA_BYTES_PER_TOKEN * SPARSE_MLA_PAGE_TOKENS * GlmMoeDsaConfig().num_hidden_layers
     complete_pages = announcement.session_tokens // SPARSE_MLA_PAGE_TOKENS
-    copies = ANNOUNCEMENT["tensor_parallel_size"]
-    assert hybrid.host_bytes_per_leased == (complete_pages - RESIDENT_TAIL_PAGES) * page_bytes * copies
-    pool_pages = int(ANNOUNCEMENT["hisparse_config"]["host_pool_gib"] * GiB) // (page_bytes * copies)
-    assert hybrid.host_pool_bytes == pool_pages * page_bytes * copies
+    assert hybrid.host_bytes_per_leased == (complete_pages - RESIDENT_TAIL_PAGES) * page_bytes
+    pool_pages = int(ANNOUNCEMENT["hisparse_config"]["host_pool_gib"] * GiB) // page_bytes
+    assert hybrid.host_pool_bytes == pool_pages * page_bytes
 
 
 def test_hybrid_runs_more_agentic_sessions_than_full_residency(announcement):
@@ -186,10 +184,10 @@ def test_hybrid_runs_more_agentic_sessions_than_full_residency(announcement):
     assert offload.connector_tokens and hybrid.connector_tokens and none.connector_tokens is None
 
 
-def test_a_million_token_request_needs_hisparse_and_a_pool_of_one_copy_per_tp_worker():
+def test_a_million_token_request_needs_hisparse_and_a_pool_of_one_copy_per_node():
     needed_pages = math.ceil(MILLION / SPARSE_MLA_PAGE_TOKENS)
     page_bytes = FP8_SPARSE_MLA_BYTES_PER_TOKEN * SPARSE_MLA_PAGE_TOKENS * GlmMoeDsaConfig().num_hidden_layers
-    pool_gib = needed_pages * page_bytes * 8 / GiB
+    pool_gib = needed_pages * page_bytes / GiB
     short = glm5(max_model_len=MILLION, hisparse_config={"host_pool_gib": math.floor(pool_gib)})
     enough = glm5(max_model_len=MILLION, hisparse_config={"host_pool_gib": math.ceil(pool_gib)})
     for result in (short, enough):

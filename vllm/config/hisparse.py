@@ -198,12 +198,11 @@ def sparse_mla_page_bytes(vllm_config: VllmConfig) -> int:
 
 
 def host_pool_pages(vllm_config: VllmConfig) -> int:
-    """Pages the host pool holds: `host_pool_gib` is for the whole engine, and every
-    tensor-parallel worker keeps its own replica of the sparse-MLA latent cache."""
+    """Pages the host pool holds: `host_pool_gib` per node, shared by the node's
+    tensor-parallel ranks (each holds the same sparse-MLA latent cache)."""
     hisparse = vllm_config.attention_config.hisparse_config
     assert hisparse is not None
-    replicas = vllm_config.parallel_config.tensor_parallel_size
-    return hisparse.host_pool_bytes // (sparse_mla_page_bytes(vllm_config) * replicas)
+    return hisparse.host_pool_bytes // sparse_mla_page_bytes(vllm_config)
 
 
 def default_hot_buffer_rows(vllm_config: VllmConfig, topk: int) -> int:

@@ -1,37 +1,115 @@
 # SPDX-License-Identifier: Apache-2.0
 """The memory behind the Hybrid HiSparse host pool: one mapping of exactly its size.
 
-Owns allocating and releasing the worker's host pool buffer:
+Owns allocating and releasing the host pool buffer of one node:
 - before anything is mapped, the bytes wanted are checked against the host RAM
   available now (`MemAvailable`); a pool that does not fit fails at start-up
   naming `host_pool_gib`, the bytes wanted and the bytes available;
-- the buffer is one anonymous private mapping of exactly that many bytes (the
-  kernel rounds to its page size only), never torch's caching host allocator,
-  which rounds a pinned allocation up to a power of two;
-- on CUDA the mapping is registered with `cudaHostRegister` (mapped: kernels
-  read it through its device address; portable: every device may use it), so
-  it is pinned memory to torch and to the HiSparse kernels; on CPU the same
-  mapping serves unregistered.
+- the buffer is one mapping of exactly that many bytes (the kernel rounds to its
+  page size only), never torch's caching host allocator, which rounds a pinned
+  allocation up to a power of two;
+- a rank alone on its node maps private anonymous memory. Ranks that share the
+  node (tensor parallelism: every rank holds the same MLA latent cache) map one
+  shared region instead (`PoolShare`): its creator makes
+  /dev/shm/vllm_hisparse_<engine>_dp<rank>_n<node>.pool, reserves its pages
+  (tmpfs then cannot run out under a running engine), the others map it, and
+  the creator removes the name at once, so no exit, a killed process included,
+  can leave it behind. A name whose creator died before that (a crash during
+  start-up) is stale: nothing holds its lock, and the next creator on the node
+  removes it;
+- on CUDA each rank registers its mapping with `cudaHostRegister` (mapped:
+  kernels read it through its device address; portable: every device may use
+  it), so it is pinned memory to torch and to the HiSparse kernels; on CPU the
+  same mapping serves unregistered.
 
-It never decides the pool's size or layout; the worker asks for a shape.
+It never decides the pool's size, its layout or who shares it; the worker asks
+for a shape and says which ranks share (`pool_placement.py`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 # cudaHostRegister flags (cuda_runtime_api.h).
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 
 
+SHARED_POOL_DIR = Path("/dev/shm")
+SHARED_POOL_PREFIX = "vllm_hisparse_"
+SHARED_POOL_SUFFIX = ".pool"
+
+
 class HostPoolMemoryError(RuntimeError):
     """The host pool cannot be allocated (not enough RAM, or registration failed)."""
+
+
+@dataclass(frozen=True)
+class PoolShare:
+    """How one rank takes part in making its node's host pool.
+
+    `path`: the shared region's rendezvous name, or None for private memory of
+    this rank alone; `creator`: whether this rank makes the region (always, for
+    private memory); `agree(ok)`: a collective over every rank starting together,
+    returning whether all were ok, so a rank that fails never leaves the others
+    waiting: each calls it after making (or not) and after joining (or not) its
+    mapping, and a failed agreement ends the start-up of every rank at once.
+    """
+
+    path: Path | None
+    creator: bool
+    agree: Callable[[bool], bool]
+
+    @classmethod
+    def alone(cls) -> PoolShare:
+        return cls(None, True, lambda ok: ok)
+
+
+def shared_pool_path(engine_key: str, dp_rank: int, node_index: int) -> Path:
+    return SHARED_POOL_DIR / f"{SHARED_POOL_PREFIX}{engine_key}_dp{dp_rank}_n{node_index}{SHARED_POOL_SUFFIX}"
+
+
+def remove_stale_pools(directory: Path = SHARED_POOL_DIR) -> list[Path]:
+    """Remove host pool names whose creator is gone: nothing holds their lock.
+
+    A live creator holds a shared lock from before its name exists until it has
+    removed the name, so only a name left by a process that died in between can
+    be locked exclusively here. Returns the names removed.
+    """
+    removed = []
+    for path in sorted(directory.glob(f"{SHARED_POOL_PREFIX}*{SHARED_POOL_SUFFIX}")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue  # removed meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live engine is starting with it
+        finally:
+            os.close(fd)
+        path.unlink(missing_ok=True)
+        removed.append(path)
+        logger.warning("Hybrid HiSparse: removed %s, a host pool left by an engine that died starting", path)
+    return removed
+
+
+def shared_memory_free_bytes(directory: Path = SHARED_POOL_DIR) -> int:
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
 
 
 def available_host_bytes() -> int:
@@ -51,6 +129,7 @@ class HostPoolMemory:
 
     `register`: pin it for CUDA (`cudaHostRegister`, mapped and portable).
     `host_pool_gib`: the configured size, named in the error when it does not fit.
+    `share`: the node's ranks that map the same region (None: this rank alone).
     `tensor` is the buffer; `release()` unregisters it (also done when collected).
     """
 
@@ -60,24 +139,17 @@ class HostPoolMemory:
         dtype: torch.dtype,
         register: bool,
         host_pool_gib: float | None = None,
+        share: PoolShare | None = None,
     ) -> None:
         element = torch.empty((), dtype=dtype).element_size()
         self.nbytes = math.prod(shape) * element
         if self.nbytes <= 0:
             raise ValueError(f"host pool shape {shape} holds no bytes")
-        available = available_host_bytes()
-        if self.nbytes > available:
-            asked = "the host pool"
-            if host_pool_gib is not None:
-                asked = f"hisparse_config.host_pool_gib={host_pool_gib}"
-            raise HostPoolMemoryError(
-                f"Hybrid HiSparse: {asked} needs {self.nbytes} bytes of host memory on this worker, "
-                f"but only {available} bytes are available; lower host_pool_gib or free host memory"
-            )
-        # Private anonymous memory, like any large host allocation (not shmem-backed).
-        self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        share = share if share is not None else PoolShare.alone()
+        self._mapping = self._map(share, host_pool_gib)
         flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=self.nbytes)
         self.tensor = flat.view(dtype).view(shape)
+        self.shared = share.path is not None
         self.registered = False
         self._lock = threading.Lock()
         if register:
@@ -90,6 +162,103 @@ class HostPoolMemory:
                     f"(CUDA error {int(result)}); the host could not pin that much memory"
                 )
             self.registered = True
+
+    def _map(self, share: PoolShare, host_pool_gib: float | None) -> mmap.mmap:
+        """Make (creator) or join the mapping, agreeing with the other ranks after each."""
+        fd: int | None = None
+        mapping: mmap.mmap | None = None
+        failure: BaseException | None = None
+        try:
+            if share.creator:
+                self._check_ram(host_pool_gib)
+                if share.path is None:
+                    # Private anonymous memory, like any large host allocation (not shmem-backed).
+                    mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                else:
+                    fd = self._create_region(share.path, host_pool_gib)
+                    mapping = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        except Exception as e:
+            failure = e
+        if not share.agree(failure is None):
+            self._give_up(share, fd, mapping)
+            raise failure or HostPoolMemoryError(
+                f"Hybrid HiSparse: another rank could not create the shared host pool {share.path}"
+            )
+        try:
+            if not share.creator:
+                assert share.path is not None
+                fd = os.open(share.path, os.O_RDWR)
+                size = os.fstat(fd).st_size
+                if size != self.nbytes:
+                    raise HostPoolMemoryError(
+                        f"Hybrid HiSparse: the shared host pool {share.path} holds {size} bytes, "
+                        f"this rank needs {self.nbytes}: the ranks of this node disagree on its shape"
+                    )
+                mapping = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        except Exception as e:
+            failure = e
+        everyone_mapped = share.agree(failure is None)
+        if share.creator and share.path is not None:
+            share.path.unlink(missing_ok=True)  # every rank mapped it, or gave up: the name goes
+        if not everyone_mapped:
+            self._give_up(share, fd, mapping)
+            raise failure or HostPoolMemoryError(
+                f"Hybrid HiSparse: another rank could not map the shared host pool {share.path}"
+            )
+        if fd is not None:
+            os.close(fd)  # the mapping keeps the memory; the lock had only to outlive the name
+        assert mapping is not None
+        return mapping
+
+    def _check_ram(self, host_pool_gib: float | None) -> None:
+        available = available_host_bytes()
+        if self.nbytes > available:
+            asked = "the host pool"
+            if host_pool_gib is not None:
+                asked = f"hisparse_config.host_pool_gib={host_pool_gib}"
+            raise HostPoolMemoryError(
+                f"Hybrid HiSparse: {asked} needs {self.nbytes} bytes of host memory on this node, "
+                f"but only {available} bytes are available; lower host_pool_gib or free host memory"
+            )
+
+    def _create_region(self, path: Path, host_pool_gib: float | None) -> int:
+        remove_stale_pools(path.parent)
+        free = shared_memory_free_bytes(path.parent)
+        if self.nbytes > free:
+            asked = "the host pool"
+            if host_pool_gib is not None:
+                asked = f"hisparse_config.host_pool_gib={host_pool_gib}"
+            raise HostPoolMemoryError(
+                f"Hybrid HiSparse: {asked} is shared by this node's ranks in {path.parent}, which has "
+                f"{free} bytes free of the {self.nbytes} needed; give the container more shared memory "
+                f"(docker run --ipc=host, or --shm-size) or lower host_pool_gib"
+            )
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            raise HostPoolMemoryError(
+                f"Hybrid HiSparse: {path} belongs to an engine starting now with the same id; "
+                f"two engines cannot share one engine id"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # Reserve every page now: tmpfs grows on demand, and a full /dev/shm would
+            # otherwise end a running engine with SIGBUS on its first write past it.
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return fd
+
+    @staticmethod
+    def _give_up(share: PoolShare, fd: int | None, mapping: mmap.mmap | None) -> None:
+        if share.creator and share.path is not None:
+            share.path.unlink(missing_ok=True)
+        if mapping is not None:
+            mapping.close()
+        if fd is not None:
+            os.close(fd)
 
     def release(self) -> None:
         """Unregister the mapping from CUDA (idempotent); the memory goes with the last reference."""

@@ -42,6 +42,10 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
         "The most resolver calls one sparse-MLA layer made in one step so far (1: step-granular).",
         "max_resolver_calls_per_layer_step",
     ),
+    "vllm:hisparse_host_pools": (
+        "Host pools the engine's ranks write: one per node, shared by its tensor-parallel ranks.",
+        "max_host_pools",
+    ),
 }
 
 # Counter name -> (documentation, cumulative stats key).
@@ -111,7 +115,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Preemptions allowed after the most consecutive steps a preemption may wait for relief.",
         "deferrals_exhausted",
     ),
-    "vllm:hisparse_bytes_to_host": ("Bytes copied device -> host, all workers.", "bytes_to_host"),
+    "vllm:hisparse_bytes_to_host": (
+        "Bytes copied device -> host: each page once into each node's host pool.",
+        "bytes_to_host",
+    ),
     "vllm:hisparse_bytes_from_host": (
         "Bytes copied host -> device (restores and resolver row loads), all workers.",
         "bytes_from_host",

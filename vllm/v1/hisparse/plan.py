@@ -25,8 +25,8 @@ DEVICE_COUNTERS = ("rows_loaded", "rows_hit", "rows_staged")
 # On the host: steps the worker executed (with or without a forward), resolution
 # plans made (one per top-K selection and step), resolver calls (one per resolved
 # layer and step), attention kernel calls of managed layers, steps whose forward ran
-# those layers, steps that resolved, and the most resolver calls one layer made in
-# one step.
+# those layers, steps that resolved, the most resolver calls one layer made in
+# one step, and the host pools the engine's ranks write (one per node they span).
 HOST_COUNTERS = (
     "worker_steps",
     "resolution_plans",
@@ -35,6 +35,7 @@ HOST_COUNTERS = (
     "forward_steps",
     "resolving_steps",
     "max_resolver_calls_per_layer_step",
+    "max_host_pools",
 )
 # All of them, and the host's reads of device-produced values. Names starting with
 # "max_" are maxima; the rest add up over steps.

@@ -757,7 +757,7 @@ def plan_configuration(
     host_each = host_pool = 0
     limited_by = "max_num_seqs" if full == max_num_seqs else "device"
     if hybrid:
-        page_bytes = sparse_mla_page_bytes(vllm_config) * vllm_config.parallel_config.tensor_parallel_size
+        page_bytes = sparse_mla_page_bytes(vllm_config)  # one copy per node, shared by its TP ranks
         pool_pages = host_pool_pages(vllm_config)
         host_pool = pool_pages * page_bytes
         pages_each = demoted_pages(request.session_tokens)
@@ -1014,7 +1014,7 @@ def summary_lines(plan: Plan) -> list[str]:
     )
     lines.append(
         f"HiSparse       mode {plan.mode}, hot lease {plan.hot_buffer_rows:,} rows; host_pool_gib is per "
-        f"node and each of the {plan.tensor_parallel_size} TP workers keeps its own copy of a demoted page"
+        f"node, one copy of each demoted page shared by its {plan.tensor_parallel_size} TP ranks"
     )
     lines.append(
         f"workload       sessions counted at {plan.session_tokens:,} tokens; "

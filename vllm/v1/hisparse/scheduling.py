@@ -78,12 +78,14 @@ class HiSparseScheduling:
         self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
         self.null_block_id = self.kv_cache_manager.block_pool.null_block.block_id
         num_host_pages = host_pool_pages(vllm_config)
-        # Bytes one page (all sparse-MLA layers) and one layer's row move, on all workers.
-        replicas = vllm_config.parallel_config.tensor_parallel_size
-        self._page_bytes = sparse_mla_page_bytes(vllm_config) * replicas
+        # Bytes of one page (all sparse-MLA layers) and of one layer's row, one replica.
+        # Copies to the host go once into each node's pool; every rank reads back into
+        # its own device.
+        self._page_bytes = sparse_mla_page_bytes(vllm_config)
         self._row_bytes = self._page_bytes // (
             self.block_size * vllm_config.model_config.get_total_num_hidden_layers()
         )
+        self._readers = vllm_config.parallel_config.tensor_parallel_size
         self.residency = ResidencyManager(
             self.blocks,
             HostPagePool(num_host_pages),
@@ -590,9 +592,12 @@ class HiSparseScheduling:
             request_steps_mixed=self.request_steps[RequestState.MIXED],
             request_steps_none=self.request_steps[RequestState.NONE],
             speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,
-            bytes_to_host=counters.pages_copied_to_host * self._page_bytes,
-            bytes_from_host=counters.pages_restored * self._page_bytes
-            + self.worker_counts["rows_loaded"] * self._row_bytes,
+            bytes_to_host=counters.pages_copied_to_host * self._page_bytes
+            * max(self.worker_counts["max_host_pools"], 1),
+            bytes_from_host=self._readers * (
+                counters.pages_restored * self._page_bytes
+                + self.worker_counts["rows_loaded"] * self._row_bytes
+            ),
         )
         return out
 

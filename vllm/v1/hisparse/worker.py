@@ -2,19 +2,21 @@
 """Hybrid HiSparse on the worker: executes the scheduler's residency plans.
 
 Owns, per worker:
-- the host pool: one allocation of `host_pool_gib` laid out
-  [sparse-MLA layer, host page, 64 rows, latent width], so one page of every
-  sparse-MLA layer is `pool[:, page]` and each layer's pool is plain rows for
-  the resolver, in one mapping of exactly its size (`host_memory.py`:
-  registered with CUDA on a GPU, plain memory on CPU); on a GPU the compiled
-  kernels must load first (`ops.require_cuda_kernels`);
+- its view of the node's host pool: one allocation of `host_pool_gib` per node
+  laid out [sparse-MLA layer, host page, 64 rows, latent width], so one page of
+  every sparse-MLA layer is `pool[:, page]` and each layer's pool is plain rows
+  for the resolver, in one mapping of exactly its size that the node's
+  tensor-parallel ranks share (`pool_placement.py` says who shares and who
+  writes, `host_memory.py` maps it: registered with CUDA on a GPU, plain memory
+  on CPU); on a GPU the compiled kernels must load first
+  (`ops.require_cuda_kernels`);
 - before the step's metadata is built: the step's host->device restores (the
   sparse-MLA pages of a KV connector hit, into the blocks allocated for them),
   its block-table point updates (a demoted page's entries become the null
   block) to the runner's request states and persistent batch, and its
   residency deltas, handed to the resolution (`resolution.py`);
-- after the forward, the step's planned device->host page copies for all
-  sparse-MLA layers in one launch, and the reports the scheduler reads from
+- after the forward, on the node's writing rank only, the step's planned
+  device->host page copies for all sparse-MLA layers in one launch, and the reports the scheduler reads from
   `ModelRunnerOutput`: the copies known durable, the resolver's counters, and
   its error bits. On CUDA nothing here waits for the GPU: a copy is reported,
   and counters are read, once the CUDA event recorded after them has passed,
@@ -40,6 +42,7 @@ from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_
 from vllm.v1.hisparse.ops import require_cuda_kernels
 from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
+from vllm.v1.hisparse.pool_placement import PoolPlacement, pool_placement
 from vllm.v1.hisparse.resolution import HiSparseResolution, impl_resolves, topk_owner_of_layer
 from vllm.v1.hisparse.resolver import check_resolution_error
 
@@ -126,13 +129,16 @@ class HiSparseWorker:
         topk_owner: dict[str, int] | None = None,
         max_pages: int | None = None,
         host_pool_gib: float | None = None,
+        placement: PoolPlacement | None = None,
     ) -> None:
         """`group_of_layer`: the KV cache group of each layer whose pages move (the
         resident group, indexer and MTP drafter, reads in place); `hot_rows`: rows of
         a hot buffer; `num_host_pages`: pages of the host pool; `topk_owner`: the
         decoder layer whose top-K each layer reads (default: its own); `max_pages`:
         pages of the longest request (default: the host pool's); `host_pool_gib`: the
-        configured pool size, named if the pool does not fit in host RAM."""
+        configured pool size, named if the pool does not fit in host RAM; `placement`:
+        which ranks share this rank's pool and whether it writes pages (default: a
+        pool of its own that it writes)."""
         self.group_of_layer = dict(group_of_layer)
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layers = list(self.group_of_layer)
@@ -148,11 +154,14 @@ class HiSparseWorker:
         pin = first.is_cuda
         if pin:
             require_cuda_kernels()  # before the pool: no torch fallback on a GPU
+        self.writes_pages = placement is None or placement.writer
+        self.num_pools = 1 if placement is None else placement.num_pools
         self.host_memory = HostPoolMemory(
             (len(self.layers), num_host_pages, self.block_size, width),
             first.dtype,
             register=pin,
             host_pool_gib=host_pool_gib,
+            share=None if placement is None else placement.share,
         )
         self.host_pool = self.host_memory.tensor
         self.runner = runner
@@ -169,12 +178,17 @@ class HiSparseWorker:
             max_pages=max_pages if max_pages is not None else num_host_pages,
         )
         self.reports = StepReports(first.device)
+        sharing = ""
+        if placement is not None and len(placement.node_ranks) > 1:
+            role = "written" if self.writes_pages else "read"
+            sharing = f", shared by ranks {list(placement.node_ranks)}, {role} here"
         logger.info(
-            "Hybrid HiSparse worker: host pool of %d pages x %d sparse-MLA layers (%.2f GiB%s)",
+            "Hybrid HiSparse worker: host pool of %d pages x %d sparse-MLA layers (%.2f GiB%s%s)",
             num_host_pages,
             len(self.layers),
             self.host_pool.numel() * self.host_pool.element_size() / (1 << 30),
             ", pinned" if pin else "",
+            sharing,
         )
 
     # -- per step ----------------------------------------------------------------
@@ -217,7 +231,10 @@ class HiSparseWorker:
         plan, self._plan = self._plan, None
         if plan is None:
             return output
-        self._copy_pages(plan, plan.copies, to_host=True, error=error)
+        if self.writes_pages:
+            # The node's other ranks hold the same latent rows: one copy serves them all.
+            self._copy_pages(plan, plan.copies, to_host=True, error=error)
+        host_counts["max_host_pools"] = self.num_pools
         copies = [(c.request_id, c.page_index) for c in plan.copies]
         self.reports.submit(copies, device_counts, error, host_counts)
         copied, counters, error_bits = self.reports.collect()
@@ -288,6 +305,7 @@ def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> H
         topk_owner=topk_owner_of_layer(group_of_layer, indexers),
         max_pages=-(-max_len // SPARSE_MLA_PAGE_TOKENS) + 1,
         host_pool_gib=config.host_pool_gib,
+        placement=pool_placement(runner.vllm_config),
     )
 
 

@@ -1,0 +1,160 @@
+"""One host pool per node, shared by its tensor-parallel ranks (host_memory + pool_placement).
+
+Ranks are played by threads of this process with a real collective stand-in: each
+`agree` call waits for every rank and returns whether all were ok, as the TP
+group's gloo all-gather does in the engine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm.v1.hisparse import host_memory
+from vllm.v1.hisparse.host_memory import HostPoolMemory, HostPoolMemoryError, PoolShare, remove_stale_pools
+from vllm.v1.hisparse.pool_placement import place_ranks
+
+SHAPE = (2, 3, 64, 16)
+
+
+class Agreement:
+    """`agree` for `n` ranks: a barrier that also ANDs their votes."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier = threading.Barrier(n, timeout=30)
+        self.votes: list[bool] = []
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def agree(self, ok: bool) -> bool:
+        with self.lock:
+            self.votes.append(ok)
+        self.barrier.wait()
+        result = all(self.votes)
+        if self.barrier.wait() == 0:
+            with self.lock:
+                self.votes.clear()
+                self.calls += 1
+        self.barrier.wait()
+        return result
+
+
+@pytest.fixture
+def shm_dir(tmp_path_factory):
+    """A directory on /dev/shm, as the pool's own, removed afterwards."""
+    path = Path("/dev/shm") / f"test-hisparse-{uuid.uuid4().hex}"
+    path.mkdir()
+    yield path
+    for leftover in path.iterdir():
+        leftover.unlink()
+    path.rmdir()
+
+
+def start_ranks(path: Path, n: int, shape=SHAPE, fail_rank: int | None = None) -> list:
+    """Every rank's HostPoolMemory, or the exception it raised."""
+    agreement = Agreement(n)
+
+    def rank(r: int):
+        if r == fail_rank:
+            # A rank that fails before the pool (say its RAM check): it still takes part.
+            assert not agreement.agree(False)
+            return HostPoolMemoryError("rank failed")
+        try:
+            share = PoolShare(path, creator=r == 0, agree=agreement.agree)
+            return HostPoolMemory(shape, torch.float32, register=False, share=share)
+        except Exception as e:
+            return e
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(rank, range(n)))
+
+
+def test_the_ranks_of_a_node_map_one_pool_and_its_name_is_gone_once_they_have(shm_dir):
+    path = shm_dir / "vllm_hisparse_engine_dp0_n0.pool"
+    memories = start_ranks(path, 3)
+    assert all(isinstance(m, HostPoolMemory) and m.shared for m in memories), memories
+    assert not path.exists(), "the name goes once every rank mapped the pool"
+    assert [m.nbytes for m in memories] == [2 * 3 * 64 * 16 * 4] * 3
+    memories[0].tensor[1, 2, 5].fill_(3.5)  # the writer's copy of a page ...
+    for reader in memories[1:]:
+        assert torch.equal(reader.tensor[1, 2, 5], torch.full((16,), 3.5)), "... is every rank's row"
+        assert not reader.tensor[0].any()
+
+
+def test_a_rank_that_fails_fails_them_all_without_a_wait_or_a_leftover(shm_dir):
+    path = shm_dir / "vllm_hisparse_engine_dp0_n0.pool"
+    for fail_rank in (0, 1):
+        results = start_ranks(path, 2, fail_rank=fail_rank)
+        assert all(isinstance(r, HostPoolMemoryError) for r in results), results
+        assert not path.exists()
+    assert not list(shm_dir.iterdir())
+
+
+def test_shared_memory_too_small_for_the_pool_is_refused_naming_the_setting_and_the_fix(shm_dir, monkeypatch):
+    monkeypatch.setattr(host_memory, "shared_memory_free_bytes", lambda directory: 1024)
+    agreement = Agreement(1)
+    share = PoolShare(shm_dir / "vllm_hisparse_e_dp0_n0.pool", creator=True, agree=agreement.agree)
+    with pytest.raises(HostPoolMemoryError) as raised:
+        HostPoolMemory(SHAPE, torch.float32, register=False, host_pool_gib=7.5, share=share)
+    message = str(raised.value)
+    assert "host_pool_gib=7.5" in message and "1024 bytes free" in message and "--shm-size" in message
+    assert agreement.calls == 1, "it still took part in the agreement"
+    assert not list(shm_dir.iterdir())
+
+
+def test_ranks_that_disagree_on_the_shape_are_refused(shm_dir):
+    path = shm_dir / "vllm_hisparse_engine_dp0_n0.pool"
+    agreement = Agreement(2)
+
+    def rank(r: int):
+        shape = SHAPE if r == 0 else (2, 4, 64, 16)
+        try:
+            share = PoolShare(path, r == 0, agreement.agree)
+            return HostPoolMemory(shape, torch.float32, register=False, share=share)
+        except Exception as e:
+            return e
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank, range(2)))
+    assert "disagree on its shape" in str(results[1])
+    assert isinstance(results[0], HostPoolMemoryError)
+    assert not path.exists()
+
+
+def test_a_name_left_by_a_creator_that_died_is_stale_and_a_locked_one_is_not(shm_dir):
+    stale = shm_dir / "vllm_hisparse_dead_dp0_n0.pool"
+    stale.write_bytes(b"\0" * 4096)
+    live = shm_dir / "vllm_hisparse_live_dp0_n0.pool"
+    live.write_bytes(b"\0" * 4096)
+    holder = os.open(live, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_SH)  # as a creator holds it until the name goes
+    try:
+        assert remove_stale_pools(shm_dir) == [stale]
+        assert live.exists() and not stale.exists()
+        # A creator clears stale names of its directory before making its own.
+        stale.write_bytes(b"\0" * 4096)
+        memories = start_ranks(shm_dir / "vllm_hisparse_new_dp0_n0.pool", 2)
+        assert all(isinstance(m, HostPoolMemory) for m in memories)
+        assert sorted(p.name for p in shm_dir.iterdir()) == [live.name]
+    finally:
+        os.close(holder)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "rank", "expected"),
+    [
+        (["a", "a"], 1, ((0, 1), 0, 1)),
+        (["a", "b"], 1, ((1,), 1, 2)),
+        (["a", "b", "a", "b"], 3, ((1, 3), 1, 2)),
+        (["b", "b", "a", "a"], 2, ((2, 3), 1, 2)),
+    ],
+)
+def test_ranks_are_placed_by_the_node_they_run_on(nodes, rank, expected):
+    assert place_ranks(nodes, rank) == expected

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where the Hybrid HiSparse host pool lives when a model runs on several ranks.
+
+Owns one decision, made once at start-up by every rank of a tensor-parallel
+group together: which ranks share a node (the same running kernel, so the same
+/dev/shm and RAM), and so map one host pool; which rank of each node creates the
+pool and writes every page into it; how many pools the group has.
+
+Under MLA every tensor-parallel rank holds the same latent cache, so one copy of
+a page on a node serves all its ranks: the node's first rank copies the page
+device -> host, every rank reads rows from it into its own hot buffer. Ranks on
+other nodes have pools of their own, written by their own first rank.
+
+Why a reader never sees a row before it is written: the scheduler turns a page
+HOST only after the group's first rank (the rank whose output it reads, and the
+writer of its node) reported the copy durable, and on every other node the
+writer copied the page in the same step. A reader resolves a HOST row inside a
+later step's forward, after that forward's first collective (the vocabulary-
+parallel embedding's all-reduce), which its node's writer joins only once its
+previous step, copy included, is done: on CPU the copy has returned by then, on
+CUDA it was queued on the writer's stream ahead of the collective.
+
+It never allocates memory (`host_memory.py` does) and never talks to the
+scheduler; it only asks the group's ranks where they run.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.hisparse.host_memory import PoolShare, shared_pool_path
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    """This rank's part in the group's host pools."""
+
+    share: PoolShare
+    writer: bool  # copies pages device -> host for its node
+    num_pools: int  # host pools of the group: one per node it spans
+    node_ranks: tuple[int, ...]  # the group ranks on this rank's node
+
+
+def node_id() -> str:
+    """The running kernel: ranks that share it share /dev/shm and RAM (containers with
+    their own /dev/shm must not run ranks of one group on one kernel)."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def place_ranks(node_of_rank: list[str], rank: int) -> tuple[tuple[int, ...], int, int]:
+    """(ranks on `rank`'s node, that node's index in order of first rank, number of nodes)."""
+    nodes = list(dict.fromkeys(node_of_rank))
+    mine = node_of_rank[rank]
+    return tuple(r for r, node in enumerate(node_of_rank) if node == mine), nodes.index(mine), len(nodes)
+
+
+def pool_placement(vllm_config: Any) -> PoolPlacement:
+    """This rank's placement in its tensor-parallel group (a collective: every rank calls it)."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size == 1:
+        return PoolPlacement(PoolShare.alone(), writer=True, num_pools=1, node_ranks=(0,))
+    import torch.distributed as dist
+
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    node_of_rank: list[Any] = [None] * group.world_size
+    dist.all_gather_object(node_of_rank, node_id(), group=group.cpu_group)
+    node_ranks, node_index, num_pools = place_ranks(node_of_rank, group.rank_in_group)
+
+    def agree(ok: bool) -> bool:
+        votes: list[Any] = [None] * group.world_size
+        dist.all_gather_object(votes, bool(ok), group=group.cpu_group)
+        return all(votes)
+
+    writer = group.rank_in_group == node_ranks[0]
+    if len(node_ranks) == 1:
+        share = PoolShare(None, True, agree)
+    else:
+        path = shared_pool_path(_engine_key(vllm_config), parallel.data_parallel_rank, node_index)
+        share = PoolShare(path, writer, agree)
+    return PoolPlacement(share, writer, num_pools, node_ranks)
+
+
+def _engine_key(vllm_config: Any) -> str:
+    """What names this engine's pools: its instance id, which every rank's config carries."""
+    key = vllm_config.instance_id or "engine"
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in key)
