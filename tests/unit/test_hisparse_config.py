@@ -196,14 +196,24 @@ def test_startup_accepts_model_free_drafts(tiny_glm_dsa_dir):
     assert config.speculative_config.method == "ngram"
 
 
-def test_the_host_pool_is_shared_by_the_tensor_parallel_replicas(tiny_glm_dsa_dir):
+def test_the_tensor_parallel_ranks_of_a_node_share_the_whole_host_pool(tiny_glm_dsa_dir):
     from vllm.config.hisparse import host_pool_pages, sparse_mla_page_bytes
 
     config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
     single = host_pool_pages(config)
     assert single == (1 << 30) // sparse_mla_page_bytes(config)
-    config.parallel_config.tensor_parallel_size = 8  # every rank keeps a replica of the latent cache
-    assert host_pool_pages(config) == single // 8
+    config.parallel_config.tensor_parallel_size = 8  # one copy of a page serves every rank
+    assert host_pool_pages(config) == single
+
+
+def test_startup_refuses_pipeline_parallelism_naming_the_flag_and_the_config(tiny_glm_dsa_dir):
+    with pytest.raises(ValueError) as raised:
+        EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, pipeline_parallel_size=2,
+            attention_config={"hisparse_config": {"host_pool_gib": 1}},
+        ).create_engine_config()
+    message = str(raised.value)
+    assert "--pipeline-parallel-size 2" in message and "hisparse_config" in message
 
 
 class _CudaPlatform:

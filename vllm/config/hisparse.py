@@ -239,12 +239,20 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             f"{model} selects index_topk={topk} rows per step; set device_buffer_size >= "
             f"{topk} or leave it unset for the default {default}"
         )
-    page_bytes = sparse_mla_page_bytes(vllm_config) * vllm_config.parallel_config.tensor_parallel_size
+    page_bytes = sparse_mla_page_bytes(vllm_config)
     if host_pool_pages(vllm_config) < 1:
         raise ValueError(
             f"hisparse_config.host_pool_gib={hisparse.host_pool_gib} holds no page of {model}: "
-            f"one page of all sparse-MLA layers on every tensor-parallel worker is {page_bytes} "
-            f"bytes ({page_bytes / GiB:.4f} GiB); raise host_pool_gib"
+            f"one page of all sparse-MLA layers is {page_bytes} bytes "
+            f"({page_bytes / GiB:.4f} GiB); raise host_pool_gib"
+        )
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size
+    if pipeline > 1:
+        raise ValueError(
+            f"hisparse_config does not support pipeline parallelism (--pipeline-parallel-size "
+            f"{pipeline}) in this build: each stage holds other layers' pages, and the scheduler "
+            "would demote a page before every stage had copied its layers of it. Use tensor "
+            "parallelism (--tensor-parallel-size) across the GPUs instead, or remove hisparse_config"
         )
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         raise ValueError(
