@@ -274,8 +274,11 @@ def installed_distribution(root: Path) -> tuple[str, str]:
     for info in sorted(root.glob("*.dist-info")):
         top = info / "top_level.txt"
         record = info / "RECORD"
-        owns_vllm = (top.exists() and "vllm" in top.read_text().split()) or (
-            record.exists() and "vllm/__init__.py," in record.read_text()
+        # A RECORD row names a path from the site directory: `vllm/__init__.py`, not
+        # another package's `ray/llm/.../vllm/__init__.py`.
+        rows = record.read_text().splitlines() if record.exists() else []
+        owns_vllm = (top.exists() and "vllm" in top.read_text().split()) or any(
+            row.startswith("vllm/__init__.py,") for row in rows
         )
         if not owns_vllm:
             continue

