@@ -112,6 +112,11 @@ def shared_memory_free_bytes(directory: Path = SHARED_POOL_DIR) -> int:
     return stat.f_bavail * stat.f_frsize
 
 
+def _setting(host_pool_gib: float | None) -> str:
+    """How an error names the pool: by the operator's setting when it is known."""
+    return "the host pool" if host_pool_gib is None else f"hisparse_config.host_pool_gib={host_pool_gib}"
+
+
 def available_host_bytes() -> int:
     """Host RAM that can be allocated now without swapping (Linux `MemAvailable`)."""
     try:
@@ -213,25 +218,21 @@ class HostPoolMemory:
     def _check_ram(self, host_pool_gib: float | None) -> None:
         available = available_host_bytes()
         if self.nbytes > available:
-            asked = "the host pool"
-            if host_pool_gib is not None:
-                asked = f"hisparse_config.host_pool_gib={host_pool_gib}"
             raise HostPoolMemoryError(
-                f"Hybrid HiSparse: {asked} needs {self.nbytes} bytes of host memory on this node, "
-                f"but only {available} bytes are available; lower host_pool_gib or free host memory"
+                f"Hybrid HiSparse: {_setting(host_pool_gib)} needs {self.nbytes} bytes of host memory "
+                f"on this node, but only {available} bytes are available; lower host_pool_gib or free "
+                f"host memory"
             )
 
     def _create_region(self, path: Path, host_pool_gib: float | None) -> int:
         remove_stale_pools(path.parent)
         free = shared_memory_free_bytes(path.parent)
         if self.nbytes > free:
-            asked = "the host pool"
-            if host_pool_gib is not None:
-                asked = f"hisparse_config.host_pool_gib={host_pool_gib}"
             raise HostPoolMemoryError(
-                f"Hybrid HiSparse: {asked} is shared by this node's ranks in {path.parent}, which has "
-                f"{free} bytes free of the {self.nbytes} needed; give the container more shared memory "
-                f"(docker run --ipc=host, or --shm-size) or lower host_pool_gib"
+                f"Hybrid HiSparse: {_setting(host_pool_gib)} is shared by this node's ranks in "
+                f"{path.parent}, which has {free} bytes free of the {self.nbytes} needed; give the "
+                f"container more shared memory (docker run --ipc=host, or --shm-size) or lower "
+                f"host_pool_gib"
             )
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
