@@ -1,5 +1,5 @@
 """Hybrid HiSparse at tensor-parallel size 2, through the real engine on CPU: under the mp
-executor, and under Ray on a local cluster of two nodes.
+executor (tiny GLM-5 and DeepSeek-V3.2), and under Ray on a local cluster of two nodes.
 
 The two workers are processes of their own (vLLM's CPU workers, one core each);
 the engine core runs in this process so the test reads its scheduler. The ranks of
@@ -17,6 +17,7 @@ copies, bytes) are compared with the TP=1 run of the same workload.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -114,6 +115,21 @@ def test_the_shared_pool_has_no_name_while_serving_or_after_shutdown(runs):
     worker's included, can leave it in /dev/shm."""
     assert runs["serving"] == [set()]
     assert runs["left"] == set()
+
+
+def test_deepseek_v32_at_tp2_under_pressure_equals_its_tp2_all_resident_run():
+    model = model_dir(dataclasses.replace(SIX_LAYERS, arch="deepseek_v32"))
+    pressed, resident = alike(
+        tensor_parallel(
+            lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE, **TP2)
+        ),
+        tensor_parallel(lambda: two_turns(model, **REPLAY_BUDGET, **TP2)),
+    )
+    tokens, tokens2, cached2, stats, preemptions, _ = pressed
+    assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
+    assert stats["request_steps_none"] > 0
+    assert cached2 == resident[2]
+    assert (tokens, tokens2) == resident[:2]
 
 
 # ----------------------------------------------------------------------------- Ray
