@@ -45,6 +45,11 @@ class PoolPlacement:
     num_pools: int  # host pools of the group: one per node it spans
     node_ranks: tuple[int, ...]  # the group ranks on this rank's node
 
+    @classmethod
+    def alone(cls) -> PoolPlacement:
+        """A rank with a pool of its own, which it writes."""
+        return cls(PoolShare.alone(), writer=True, num_pools=1, node_ranks=(0,))
+
 
 def node_id() -> str:
     """The running kernel: ranks that share it share /dev/shm and RAM (containers with
@@ -66,7 +71,7 @@ def pool_placement(vllm_config: Any) -> PoolPlacement:
     """This rank's placement in its tensor-parallel group (a collective: every rank calls it)."""
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size == 1:
-        return PoolPlacement(PoolShare.alone(), writer=True, num_pools=1, node_ranks=(0,))
+        return PoolPlacement.alone()
     import torch.distributed as dist
 
     from vllm.distributed.parallel_state import get_tp_group

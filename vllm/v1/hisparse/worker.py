@@ -16,11 +16,11 @@ Owns, per worker:
   block) to the runner's request states and persistent batch, and its
   residency deltas, handed to the resolution (`resolution.py`);
 - after the forward, on the node's writing rank only, the step's planned
-  device->host page copies for all sparse-MLA layers in one launch, and the reports the scheduler reads from
-  `ModelRunnerOutput`: the copies known durable, the resolver's counters, and
-  its error bits. On CUDA nothing here waits for the GPU: a copy is reported,
-  and counters are read, once the CUDA event recorded after them has passed,
-  which is a step or more later.
+  device->host page copies for all sparse-MLA layers in one launch; on every
+  rank, the reports the scheduler reads from `ModelRunnerOutput`: the copies
+  known durable, the resolver's counters, and its error bits. On CUDA nothing
+  here waits for the GPU: a copy is reported, and counters are read, once the
+  CUDA event recorded after them has passed, which is a step or more later.
 
 It never decides anything: what moves where comes from the plan. It touches
 the KV cache only through the planned copies; the resolution loads rows.
@@ -154,14 +154,15 @@ class HiSparseWorker:
         pin = first.is_cuda
         if pin:
             require_cuda_kernels()  # before the pool: no torch fallback on a GPU
-        self.writes_pages = placement is None or placement.writer
-        self.num_pools = 1 if placement is None else placement.num_pools
+        placement = placement if placement is not None else PoolPlacement.alone()
+        self.writes_pages = placement.writer
+        self.num_pools = placement.num_pools
         self.host_memory = HostPoolMemory(
             (len(self.layers), num_host_pages, self.block_size, width),
             first.dtype,
             register=pin,
             host_pool_gib=host_pool_gib,
-            share=None if placement is None else placement.share,
+            share=placement.share,
         )
         self.host_pool = self.host_memory.tensor
         self.runner = runner
@@ -179,7 +180,7 @@ class HiSparseWorker:
         )
         self.reports = StepReports(first.device)
         sharing = ""
-        if placement is not None and len(placement.node_ranks) > 1:
+        if len(placement.node_ranks) > 1:
             role = "written" if self.writes_pages else "read"
             sharing = f", shared by ranks {list(placement.node_ranks)}, {role} here"
         logger.info(
