@@ -60,6 +60,14 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Prefix pages a request took from the host pool instead of recomputing them.",
         "host_prefix_pages_reused",
     ),
+    "vllm:hisparse_requests_started_none": (
+        "Requests whose prefix came from the host pool (a host prefix hit or an import): they started NONE.",
+        "requests_started_none",
+    ),
+    "vllm:hisparse_pages_imported_to_host": (
+        "Pages of a KV connector's import (P/D, shared storage) written straight into the host pool.",
+        "pages_imported_to_host",
+    ),
     "vllm:hisparse_rows_loaded": (
         "Rows the resolver loaded host -> device into hot buffers (per sparse-MLA layer).",
         "rows_loaded",

@@ -167,6 +167,8 @@ class ResidencyCounters:
     blocks_freed_under_pressure: int = 0
     hot_leases: int = 0
     host_prefix_pages_reused: int = 0
+    # Pages of a KV connector's import written straight into the host pool.
+    pages_imported_to_host: int = 0
     pages_restored: int = 0
     preemptions_avoided: int = 0
     # Victims unmarked because demoting them could not pay for their lease, and
@@ -267,9 +269,14 @@ class ResidencyManager:
         return self.allocator.take(num_blocks)
 
     def append_host_pages(
-        self, request_id: str, host_pages: Sequence[int], hot_blocks: Sequence[int]
+        self, request_id: str, host_pages: Sequence[int], hot_blocks: Sequence[int], imported: bool = False
     ) -> None:
-        """Pages the request takes from the host pool instead of recomputing them (it turns NONE)."""
+        """Pages the request takes from the host pool instead of computing them (it turns NONE).
+
+        `imported`: the pages are a KV connector's import landing in the host pool,
+        allocated for the request (their reference passes to it) and indexed by the
+        request's block hashes, so later requests can start from them too.
+        """
         req = self.requests[request_id]
         if req.hot_blocks:
             self.allocator.give_back(hot_blocks)  # a lease it already holds serves these too
@@ -283,14 +290,20 @@ class ResidencyManager:
             self._new_leases.append((request_id, req.hot_blocks))
         demotable = req.num_demotable_pages
         for page in host_pages:
-            self.host_pool.retain(page)
             index = len(req.pages)
+            if not imported:
+                self.host_pool.retain(page)
+            elif (block_hash := req.page_hash(index)) is not None:
+                self.host_pool.publish(page, block_hash)
             self._new_host_pages.append((request_id, index, page))
             req.pages.append(Page(block_ids=None, host_page=page))
             req.num_host_demotable += index < demotable
         req.num_host_pages += len(host_pages)
         self._page_counts[PageState.HOST] += len(host_pages)
-        self.counters.host_prefix_pages_reused += len(host_pages)
+        if imported:
+            self.counters.pages_imported_to_host += len(host_pages)
+        else:
+            self.counters.host_prefix_pages_reused += len(host_pages)
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[int]]) -> None:
         """New pages the KV cache manager gave the request, in order: k block ids each."""

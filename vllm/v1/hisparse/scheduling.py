@@ -14,6 +14,10 @@ scheduler process:
   sparse-MLA ones (see offloading.py), so its hit is limited to pages the host
   pool holds; those pages are restored into the blocks allocated for the hit
   when the pool has room, else taken as placeholders plus a hot lease (NONE);
+- imports of a connector that loads every group (P/D, shared storage): when
+  the pool is tight, the sparse-MLA pages of the import land in the host pool
+  (placeholders, host pages allocated for them, a hot lease: NONE) and the
+  connector writes them there (kv_import.py); else they land on the device;
 - the step plan that crosses to the workers in `SchedulerOutput.hisparse_plan`
   (host->device restores and block-table point updates to apply before the
   forward, copies to run after it, the residency map of every request that is
@@ -36,6 +40,7 @@ from vllm.logger import init_logger
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
+from vllm.v1.hisparse.kv_import import ImportKind, import_kind
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
     WORKER_COUNTERS,
@@ -122,12 +127,21 @@ class HiSparseScheduling:
         self._connector_hits: dict[str, dict[int, int]] = {}
         self._restored: dict[str, dict[int, int]] = {}
         self._restores: list[PageRestore] = []
+        # Imports landing in the host pool (page index -> host page allocated for it),
+        # from the hit until the request's pages are registered; the connector reads
+        # them through `host_landing` when it builds the step's metadata.
+        self.import_kind = import_kind(scheduler.connector)
+        self._imports: dict[str, dict[int, int]] = {}
+        if self.import_kind is ImportKind.LANDS_ON_HOST:
+            scheduler.connector.host_landing = self.host_landing
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
         # The workers' data path counters (see WORKER_COUNTERS), summed over steps.
         self.worker_counts = dict.fromkeys(WORKER_COUNTERS, 0)
         # Steps that verified draft tokens of a request with pages in the host pool.
         self.speculative_steps_with_host_pages = 0
+        # Requests whose first step found every page outside the tail in the host pool.
+        self.requests_started_none = 0
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
         if plans_executable():
             # Admission by tail + lease rather than by whole context: relief makes
@@ -325,8 +339,11 @@ class HiSparseScheduling:
         """
         request_id = request.request_id
         self._connector_hits.pop(request_id, None)
-        if num_external_tokens <= 0 or not plans_executable():
-            return new_computed_blocks, num_external_tokens  # the connector keeps every group
+        self._drop_import(request_id)
+        if num_external_tokens <= 0 or not plans_executable() or self.import_kind is ImportKind.DEVICE:
+            return new_computed_blocks, num_external_tokens  # the connector loads every group
+        if self.import_kind is ImportKind.LANDS_ON_HOST:
+            return self._land_import(request, new_computed_blocks, num_local_tokens, num_external_tokens)
         if not (self.issue_plans and self.host_prefix_hits) or num_local_tokens % self.block_size:
             return new_computed_blocks, 0
         end = num_local_tokens + num_external_tokens
@@ -368,6 +385,82 @@ class HiSparseScheduling:
         for g in self.mla_group_ids:
             extended[g].extend([null_block] * len(on_host))
         return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
+
+    def _land_import(
+        self,
+        request: Request,
+        new_computed_blocks: KVCacheBlocks,
+        num_local_tokens: int,
+        num_external_tokens: int,
+    ) -> tuple[KVCacheBlocks, int]:
+        """An import of a connector that loads every group: where its sparse-MLA pages land.
+
+        On the device, as upstream, when the pool is not tight: in hybrid mode, when
+        the pages take at most half of the free blocks (the rule of a connector hit's
+        restore). Otherwise in the host pool: host pages are allocated for the whole
+        pages of the import before the page of the last prompt token (that one and a
+        partial page are written by the step's own compute, on the device), the local
+        hit's sparse-MLA groups gain null placeholders for them, and the request takes a
+        hot lease and starts NONE. The connector writes those pages into the host pool
+        (`host_landing`); the indexer's pages land on the device. Without room in the
+        host pool or for a lease, the import lands on the device.
+        """
+        request_id = request.request_id
+        if not self.issue_plans or num_local_tokens % self.block_size:
+            return new_computed_blocks, num_external_tokens
+        end = min(num_local_tokens + num_external_tokens, request.num_tokens - 1) // self.block_size
+        positions = list(range(num_local_tokens // self.block_size, end))
+        if not positions:
+            return new_computed_blocks, num_external_tokens
+        pending = self._pending_hits.get(request_id)
+        if (
+            pending is None
+            and self.residency.mode == "hybrid"
+            and len(positions) * len(self.mla_group_ids) <= self.blocks.num_free_blocks() // 2
+        ):
+            return new_computed_blocks, num_external_tokens
+        host_pool = self.residency.host_pool
+        # The local hit's host pages are not referenced yet: hold them while pages are
+        # allocated, so no allocation evicts them.
+        held = list(pending[0].values()) if pending is not None else []
+        for page in held:
+            host_pool.retain(page)
+        try:
+            if host_pool.num_available < len(positions):
+                return new_computed_blocks, num_external_tokens
+            if pending is None:
+                hit = [b for group in new_computed_blocks.blocks for b in group]
+                lease = self._lease_keeping(request, hit)
+                if not lease:
+                    return new_computed_blocks, num_external_tokens
+                pending = ({}, lease)
+                self._pending_hits[request_id] = pending
+            landed = {position: host_pool.allocate() for position in positions}
+        finally:
+            for page in held:
+                host_pool.release(page)
+        self._imports[request_id] = landed
+        pending[0].update(landed)
+        null_block = self.kv_cache_manager.block_pool.null_block
+        extended = [list(group) for group in new_computed_blocks.blocks]
+        for g in self.mla_group_ids:
+            extended[g].extend([null_block] * len(landed))
+        return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
+
+    def host_landing(self, request_id: str) -> dict[int, int]:
+        """The pages of `request_id`'s import that land in the host pool: page index -> host page."""
+        return self._imports.get(request_id, {})
+
+    def _drop_import(self, request_id: str) -> None:
+        """An import not taken after all: its host pages go back (its lease goes with the hit)."""
+        landed = self._imports.pop(request_id, None)
+        if not landed:
+            return
+        pending = self._pending_hits.get(request_id)
+        for position, page in landed.items():
+            self.residency.host_pool.release(page)
+            if pending is not None:
+                pending[0].pop(position, None)
 
     def _max_tokens(self, request: Request) -> int:
         """The most tokens the request's context can reach: what its hot lease must cover."""
@@ -515,6 +608,7 @@ class HiSparseScheduling:
     # -- state ---------------------------------------------------------------
 
     def _return_pending_lease(self, request_id: str) -> None:
+        self._drop_import(request_id)
         pending = self._pending_hits.pop(request_id, None)
         if pending is not None:
             self.residency.allocator.give_back(pending[1])
@@ -523,7 +617,8 @@ class HiSparseScheduling:
         """Register the request's pages the KV cache manager added since the last step."""
         request_id = request.request_id
         residency = self.residency
-        if request_id not in residency.requests:
+        new_request = request_id not in residency.requests
+        if new_request:
             # The request's own list: it grows as the request decodes.
             residency.add_request(
                 request_id, request.block_hashes if self.enable_caching else (), self._max_tokens(request)
@@ -532,11 +627,14 @@ class HiSparseScheduling:
         tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
         pending = self._pending_hits.pop(request_id, None)
         host_pages, lease = pending if pending is not None else ({}, [])
+        imported = self._imports.pop(request_id, {})
         restored = self._restored.pop(request_id, {})
         for position in range(len(req.pages), len(tables[0])):
             block_ids = tuple(t[position].block_id for t in tables)
             if position in host_pages:
-                residency.append_host_pages(request_id, [host_pages.pop(position)], lease)
+                residency.append_host_pages(
+                    request_id, [host_pages.pop(position)], lease, imported=position in imported
+                )
                 lease = []
             elif position in restored:
                 residency.append_restored_page(request_id, block_ids, restored.pop(position))
@@ -548,6 +646,8 @@ class HiSparseScheduling:
         assert not restored, f"{request_id}: restored pages {restored} beyond its block table"
         if lease:  # the scheduler did not take the hit after all
             residency.allocator.give_back(lease)
+        if new_request and req.state is RequestState.NONE:
+            self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
         if self.enable_caching:
@@ -575,6 +675,8 @@ class HiSparseScheduling:
             pages_demoted=counters.pages_demoted,
             hot_leases=counters.hot_leases,
             host_prefix_pages_reused=counters.host_prefix_pages_reused,
+            # Pages of a KV connector's import that landed in the host pool.
+            pages_imported_to_host=counters.pages_imported_to_host,
             # Pages of KV connector hits restored from the host pool.
             pages_restored=counters.pages_restored,
             preemptions_avoided=counters.preemptions_avoided,
@@ -591,6 +693,7 @@ class HiSparseScheduling:
             **self.worker_counts,
             request_steps_mixed=self.request_steps[RequestState.MIXED],
             request_steps_none=self.request_steps[RequestState.NONE],
+            requests_started_none=self.requests_started_none,
             speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,
             bytes_to_host=counters.pages_copied_to_host * self._page_bytes
             * max(self.worker_counts["max_host_pools"], 1),

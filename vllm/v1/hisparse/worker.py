@@ -39,6 +39,7 @@ from vllm.config.hisparse import RESOLVING_BACKENDS, SPARSE_MLA_PAGE_TOKENS, hos
 from vllm.logger import init_logger
 from vllm.v1.hisparse.host_memory import HostPoolMemory
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_group_ids
+from vllm.v1.hisparse.kv_import import register_host_pool_layers
 from vllm.v1.hisparse.ops import require_cuda_kernels
 from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
@@ -165,6 +166,8 @@ class HiSparseWorker:
             share=placement.share,
         )
         self.host_pool = self.host_memory.tensor
+        # A KV connector's import lands sparse-MLA pages here (kv_import.py).
+        register_host_pool_layers({name: self.host_pool[i] for i, name in enumerate(self.layers)})
         self.runner = runner
         self._plan: HiSparseStepPlan | None = None
         self._layer_column: tuple[int, ...] | None = None

@@ -1,0 +1,128 @@
+"""A prefill/decode disaggregation proxy in front of two `vllm serve` instances.
+
+Every completion or chat completion request goes first to the prefill
+instance (a `kv_producer`) with `max_tokens` 1, which computes the prompt and
+leaves its KV cache where the KV connector puts it; then the unchanged
+request goes to the decode instance (a `kv_consumer`), which loads that KV
+cache instead of computing the prompt, and its answer (streamed or not) goes
+back to the client. With ExampleConnector both instances name the same
+`shared_storage_path` and nothing else needs to pass between them. For
+connectors that pull the KV cache from the prefill instance (NixlConnector),
+the prefill request asks for a remote decode (`kv_transfer_params` with
+`do_remote_decode`) and the decode request carries the `kv_transfer_params`
+the prefill instance answered with, which say where to pull from.
+
+    python scripts/pd_proxy.py --port 8000 \\
+        --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+
+GET /health answers 200 when both instances do. Errors of either instance
+reach the client with their status and body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+FORWARDED = ("/v1/completions", "/v1/chat/completions")
+# The prefill instance keeps the request's KV cache for a decode instance to pull.
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
+TIMEOUT_S = 600
+
+
+def _post(url: str, body: bytes):
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+
+
+def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
+    class ProxyHandler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args) -> None:  # one line per request on stderr
+            sys.stderr.write("pd_proxy: " + format % args + "\n")
+
+        def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path != "/health":
+                self._reply(404, b'{"error": "not found"}')
+                return
+            for base in (prefill, decode):
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=10):
+                        pass
+                except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                    self._reply(503, json.dumps({"error": f"{base}: {error}"}).encode())
+                    return
+            self._reply(200, b"")
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path not in FORWARDED:
+                self._reply(404, b'{"error": "not found"}')
+                return
+            try:
+                request = json.loads(body)
+            except json.JSONDecodeError as error:
+                self._reply(400, json.dumps({"error": f"request body is not JSON: {error}"}).encode())
+                return
+            prefill_request = dict(request, max_tokens=1, stream=False)
+            prefill_request["kv_transfer_params"] = REMOTE_DECODE
+            prefill_request.pop("max_completion_tokens", None)
+            prefill_request.pop("stream_options", None)
+            try:
+                with _post(prefill + self.path, json.dumps(prefill_request).encode()) as response:
+                    prefilled = json.loads(response.read())
+                if prefilled.get("kv_transfer_params"):
+                    params = prefilled["kv_transfer_params"]
+                    body = json.dumps(dict(request, kv_transfer_params=params)).encode()
+                with _post(decode + self.path, body) as response:
+                    self._relay(response)
+            except urllib.error.HTTPError as error:
+                self._reply(error.code, error.read())
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                self._reply(502, json.dumps({"error": f"an instance did not answer: {error}"}).encode())
+
+        def _relay(self, response) -> None:
+            """The decode instance's answer as it arrives (chunked, so streams stay streams)."""
+            self.send_response(response.status)
+            self.send_header("Content-Type", response.headers.get("Content-Type", "application/json"))
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while chunk := response.read1(1 << 16):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+
+    return ProxyHandler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--prefill", required=True, help="base URL of the prefill (kv_producer) instance")
+    parser.add_argument("--decode", required=True, help="base URL of the decode (kv_consumer) instance")
+    args = parser.parse_args(argv)
+    handler = make_handler(args.prefill.rstrip("/"), args.decode.rstrip("/"))
+    server = ThreadingHTTPServer((args.host, args.port), handler)
+    print(f"pd_proxy: listening on http://{args.host}:{args.port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

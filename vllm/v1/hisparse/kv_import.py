@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where a KV connector's import of a remote prefix lands with Hybrid HiSparse on.
+
+A KV connector that loads a prefix computed elsewhere (a P/D prefill instance,
+shared storage) is one of three kinds to HiSparse (`import_kind`):
+- it loads only the groups HiSparse leaves to it (the OffloadingConnector,
+  narrowed by offloading.py): the sparse-MLA pages of its hit come from the host
+  pool, as today;
+- it lands imports on the host: it loads every group, and writes the sparse-MLA
+  pages of the pages HiSparse lands in the host pool there instead of into
+  device blocks (it has a `host_landing` attribute, which HiSparse's scheduler
+  side sets to its `HostLanding`);
+- any other connector loads every group into device blocks, as upstream.
+
+Owns the two halves of that contract that cross the connector's boundary:
+- scheduler side: `HostLanding`, for a request with an import this step, the
+  host page each landed page takes (page index -> host page);
+- worker side: the host pool's per-layer views, registered by the HiSparse
+  worker, that a landing connector's worker writes landed rows into
+  (`host_pool_layer`). Every tensor-parallel rank writes its own import, also
+  where the node's ranks share one pool: the rows are identical, and each rank
+  then reads only after its own write.
+
+It never decides where a page lands and never copies.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# (request id) -> {page index: host page} of the pages of its import this step
+# lands in the host pool; empty when nothing of it lands there.
+HostLanding = Callable[[str], Mapping[int, int]]
+
+
+class ImportKind(enum.Enum):
+    HOST_POOL_GROUPS = "loads the groups HiSparse does not manage"
+    LANDS_ON_HOST = "loads every group, sparse-MLA pages where HiSparse lands them"
+    DEVICE = "loads every group into device blocks"
+
+
+def import_kind(connector: Any) -> ImportKind:
+    """How `connector` (None: no connector) loads a hit, as HiSparse must treat it."""
+    if getattr(connector, "hisparse_group_ids", None) is not None:
+        return ImportKind.HOST_POOL_GROUPS
+    if hasattr(connector, "host_landing"):
+        return ImportKind.LANDS_ON_HOST
+    return ImportKind.DEVICE
+
+
+_host_pool_layers: dict[str, torch.Tensor] = {}
+
+
+def register_host_pool_layers(layers: Mapping[str, torch.Tensor]) -> None:
+    """The worker's host pool, one [host page, 64 rows, width] view per sparse-MLA layer."""
+    _host_pool_layers.clear()
+    _host_pool_layers.update(layers)
+
+
+def host_pool_layer(layer_name: str) -> torch.Tensor:
+    """Layer `layer_name`'s view of the host pool, for rows of a page landed there."""
+    layer = _host_pool_layers.get(layer_name)
+    if layer is None:
+        raise KeyError(
+            f"Hybrid HiSparse: an import landed a page of layer {layer_name} in the host pool, but "
+            f"this worker's pool holds layers {sorted(_host_pool_layers)[:4]}...: the scheduler and "
+            "the worker disagree on the sparse-MLA layers"
+        )
+    return layer
