@@ -8,7 +8,8 @@ into it once, both read rows from it. The two Ray nodes run on this one machine,
 they share it too.
 
 Like is compared with like: the reference is the all-resident run at the same
-tensor-parallel size, replaying the HiSparse run's prefill chunks. Splitting the
+tensor-parallel size, replaying the HiSparse run's prefill chunks and steps (each
+forward holds the same requests). Splitting the
 model over two ranks changes its arithmetic (sharded matmuls, an all-reduce), so a
 TP=2 run and a TP=1 run may differ in a greedy token with no HiSparse at all; that
 is no oracle for residency. Counts that do not depend on the arithmetic (pages,
@@ -73,6 +74,7 @@ def runs(model):
         tensor_parallel(under_pressure),
         tensor_parallel(lambda: two_turns(model, **REPLAY_BUDGET, **TP2)),
         recorded=chunks,
+        same_steps=True,
     )
     single = multiprocessing_off(
         lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE)
@@ -124,6 +126,7 @@ def test_deepseek_v32_at_tp2_under_pressure_equals_its_tp2_all_resident_run():
             lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE, **TP2)
         ),
         tensor_parallel(lambda: two_turns(model, **REPLAY_BUDGET, **TP2)),
+        same_steps=True,
     )
     tokens, tokens2, cached2, stats, preemptions, _ = pressed
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0

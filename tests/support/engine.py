@@ -111,6 +111,56 @@ def prefill_chunks(record: dict | None = None, replay: dict | None = None) -> It
         Scheduler._reserve_prefill_lookahead, Scheduler.schedule = cap, schedule
 
 
+@contextmanager
+def scheduled_steps(record: list | None = None, replay: list | None = None) -> Iterator[None]:
+    """Record which requests (by prompt) each schedule() call served, or serve only those.
+
+    Replayed, a step's other requests are out of the scheduler's sight for that call
+    (running ones keep their blocks) and come back in their places after it. With the
+    prefill chunks replayed too, the second run's forwards hold the same requests with
+    the same tokens as the first's: the CPU's matmuls may round a row differently in a
+    batch of another size, which, like a chunk of another length, can swap an fp8
+    near-tie in the indexer's top-K.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+    steps = iter(replay if replay is not None else ())
+
+    def key(request) -> tuple[int, ...]:
+        return tuple(request.prompt_token_ids)
+
+    def gated(self, *args, **kwargs):
+        allowed = next(steps, None) if replay is not None else None
+        if allowed is None:
+            output = schedule(self, *args, **kwargs)
+        else:
+            running, waiting = list(self.running), list(self.waiting)
+            hidden = {id(r) for r in running + waiting if key(r) not in allowed}
+            self.running = [r for r in running if id(r) not in hidden]
+            self.waiting.remove_requests([r for r in waiting if id(r) in hidden])
+            try:
+                output = schedule(self, *args, **kwargs)
+            finally:
+                now_running, now_waiting = {id(r) for r in self.running}, {id(r) for r in self.waiting}
+                self.running = [r for r in running if id(r) in hidden or id(r) in now_running] + [
+                    r for r in self.running if all(r is not q for q in running)
+                ]
+                back = [r for r in waiting if id(r) in hidden or id(r) in now_waiting]
+                back += [r for r in self.waiting if all(r is not q for q in waiting)]
+                self.waiting.clear()
+                self.waiting.extend(back)
+        if record is not None:
+            record.append(frozenset(key(self.requests[rid]) for rid in output.num_scheduled_tokens))
+        return output
+
+    Scheduler.schedule = gated
+    try:
+        yield
+    finally:
+        Scheduler.schedule = schedule
+
+
 def scheduled_chunks(record: dict) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's chunk sizes, in order, from a `prefill_chunks` record."""
     by_prompt: dict[tuple[int, ...], dict[int, int]] = {}

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import tiny_models
-from engine import metric_total, prefill_chunks, running_llm, scheduled_chunks
+from engine import metric_total, prefill_chunks, running_llm, scheduled_chunks, scheduled_steps
 
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
@@ -98,17 +98,26 @@ def two_turns(model, churn: bool = False, reset: bool = False, between_turns=Non
 REPLAY_BUDGET = dict(max_num_batched_tokens=1024)
 
 
-def alike(under_pressure, reference, recorded: dict | None = None):
+def alike(under_pressure, reference, recorded: dict | None = None, same_steps: bool = False):
     """Run `under_pressure()`, then `reference()` computing every prompt in the same prefill
     chunks; returns both results, having checked that the chunks were the same. The chunks
-    recorded go into `recorded` when given."""
+    recorded go into `recorded` when given. With `same_steps`, each of the reference's
+    forwards also holds the same requests as the first run's (`scheduled_steps`), checked
+    too: for runs without a KV connector, whose loads move requests between steps."""
     recorded = {} if recorded is None else recorded
     replayed: dict = {}
-    with prefill_chunks(record=recorded):
+    steps: list | None = [] if same_steps else None
+    replayed_steps: list | None = [] if same_steps else None
+    with prefill_chunks(record=recorded), scheduled_steps(record=steps):
         pressed = under_pressure()
-    with prefill_chunks(record=replayed, replay=recorded):
+    with (
+        prefill_chunks(record=replayed, replay=recorded),
+        scheduled_steps(record=replayed_steps, replay=steps),
+    ):
         resident = reference()
     assert scheduled_chunks(replayed) == scheduled_chunks(recorded), "the reference chunked alike"
+    if same_steps:
+        assert [s for s in replayed_steps if s] == [s for s in steps if s], "the reference stepped alike"
     return pressed, resident
 
 
