@@ -9,13 +9,14 @@ engine, the server and the metrics are vLLM's; nothing here changes them.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +70,14 @@ class VllmServer:
     """`vllm serve <model>` on a free local port, with the given extra arguments."""
 
     def __init__(
-        self, model: Path, served_name: str, serve_args: Sequence[str], log_path: Path, engine_id: str = ""
+        self, model: Path, served_name: str, serve_args: Sequence[str], log_path: Path, engine_id: str = "",
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """`env`: variables added to this process's environment for the server."""
         self.port = free_port()
         self.served_name = served_name
         self.engine_id = engine_id
+        self.env = {**os.environ, **env} if env else None
         self.cmd = [
             str(Path(sys.executable).parent / "vllm"), "serve", str(model),
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", served_name,
@@ -85,7 +89,7 @@ class VllmServer:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -14,7 +14,9 @@ land in the host pool. Several multi-turn sessions go through the proxy:
 - the same decode instance with HiSparse off and the same pool lands every
   import on the device, so it holds fewer sessions at once; its tokens must be
   the same, and the contrast (running requests, preemptions, prompt tokens
-  computed, wall time) is printed for the record.
+  computed, wall time) is printed for the record;
+- over NixlConnector (UCX on the CPU) the decode instance with HiSparse pulls
+  every prompt and gives the same tokens; its imports land on the device.
 """
 
 from __future__ import annotations
@@ -66,13 +68,10 @@ def example_connector(role: str, storage: Path) -> list[str]:
     return ["--kv-transfer-config", json.dumps(config)]
 
 
-def decode_args(storage: Path, hisparse: bool) -> list[str]:
-    args = [*COMMON, "--kv-cache-memory-bytes", str(DECODE_KV_CACHE_BYTES)]
-    args += example_connector("kv_consumer", storage)
-    if hisparse:
-        config = {"hisparse_config": {"host_pool_gib": host_pool_gib(HOST_POOL_PAGES)}}
-        args += ["--attention-config", json.dumps(config)]
-    return args
+HISPARSE_CONFIG = {"hisparse_config": {"host_pool_gib": host_pool_gib(HOST_POOL_PAGES)}}
+HISPARSE = ["--attention-config", json.dumps(HISPARSE_CONFIG)]
+# The decode instance: a KV cache short of the sessions.
+DECODE = [*COMMON, "--kv-cache-memory-bytes", str(DECODE_KV_CACHE_BYTES)]
 
 
 class Proxy:
@@ -161,6 +160,18 @@ class RunningSampler:
         self._thread.join()
 
 
+def through_proxy(prefill: VllmServer, decode: VllmServer, logs: Path, name: str) -> DecodeRun:
+    """The sessions through the proxy in front of `decode`, which starts and stops here."""
+    with contextlib.ExitStack() as stack:
+        decode.start()
+        stack.callback(decode.stop)
+        proxy = stack.enter_context(Proxy(prefill, decode, logs / f"proxy-{name}.log").running())
+        started = time.monotonic()
+        with RunningSampler(decode) as running:
+            tokens, lengths = run_sessions(proxy)
+        return DecodeRun(tokens, lengths, decode.metrics(), running.samples, time.monotonic() - started)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The sessions on one all-resident instance, then through P/D with HiSparse on and off."""
@@ -173,23 +184,17 @@ def runs(tmp_path_factory):
         out["reference"] = run_sessions(reference)[0]
     finally:
         reference.stop()
-    for hisparse in (True, False):
-        storage = logs / f"storage-{hisparse}"
-        prefill_args = [*COMMON, *ONE_CHUNK, *example_connector("kv_producer", storage)]
-        prefill = VllmServer(model, "tiny-glm5", prefill_args, logs / f"prefill-{hisparse}.log")
-        decode_log = logs / f"decode-{hisparse}.log"
-        decode = VllmServer(model, "tiny-glm5", decode_args(storage, hisparse), decode_log)
-        with contextlib.ExitStack() as stack:
-            for server in (prefill, decode):
-                server.start()
-                stack.callback(server.stop)
-            proxy = stack.enter_context(Proxy(prefill, decode, logs / f"proxy-{hisparse}.log").running())
-            started = time.monotonic()
-            with RunningSampler(decode) as running:
-                tokens, lengths = run_sessions(proxy)
-            out["on" if hisparse else "off"] = DecodeRun(
-                tokens, lengths, decode.metrics(), running.samples, time.monotonic() - started
-            )
+    storage = logs / "storage"
+    prefill_args = [*COMMON, *ONE_CHUNK, *example_connector("kv_producer", storage)]
+    prefill = VllmServer(model, "tiny-glm5", prefill_args, logs / "prefill.log")
+    prefill.start()
+    try:
+        for name, hisparse in (("on", True), ("off", False)):
+            decode_args = DECODE + example_connector("kv_consumer", storage) + (HISPARSE if hisparse else [])
+            decode = VllmServer(model, "tiny-glm5", decode_args, logs / f"decode-{name}.log")
+            out[name] = through_proxy(prefill, decode, logs, name)
+    finally:
+        prefill.stop()
     return out
 
 
@@ -238,3 +243,35 @@ def test_disaggregated_decode_without_hisparse_lands_every_import_on_the_device(
     assert "vllm:hisparse_pages_imported_to_host" not in off.metrics
     print(f"\ndecode in {DECODE_KV_CACHE_BYTES} bytes of KV cache, HiSparse on: {on.summary()}")
     print(f"decode in {DECODE_KV_CACHE_BYTES} bytes of KV cache, HiSparse off: {off.summary()}")
+
+
+def nixl_connector(role: str) -> list[str]:
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role})]
+
+
+def test_nixl_imports_land_on_the_device_and_match_one_instance(runs, tmp_path):
+    """NixlConnector over UCX on the CPU: the decode instance pulls every prompt from the
+    prefill instance's KV blocks. Both instances need the same KV cache groups, so the
+    prefill instance runs with hisparse_config too. NIXL's imports land in device blocks
+    (its descriptors address registered blocks, not the host pool)."""
+    model = model_dir(SPARSE_GLM5)
+    prefill = VllmServer(
+        model, "tiny-glm5", [*COMMON, *ONE_CHUNK, *HISPARSE, *nixl_connector("kv_producer")],
+        tmp_path / "prefill-nixl.log", env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )  # fmt: skip
+    decode = VllmServer(
+        model, "tiny-glm5", [*DECODE, *HISPARSE, *nixl_connector("kv_consumer")],
+        tmp_path / "decode-nixl.log",
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )  # fmt: skip
+    prefill.start()
+    try:
+        nixl = through_proxy(prefill, decode, tmp_path, "nixl")
+    finally:
+        prefill.stop()
+    print(f"\nNIXL decode in {DECODE_KV_CACHE_BYTES} bytes of KV cache, HiSparse on: {nixl.summary()}")
+    assert nixl.tokens == runs["reference"]
+    assert nixl.count("vllm:nixl_num_failed_transfers_total") == 0
+    assert nixl.count("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+    assert nixl.computed_prompt_tokens == 0, "the decode instance computed no prompt token itself"
+    assert nixl.count("vllm:hisparse_pages_imported_to_host_total") == 0

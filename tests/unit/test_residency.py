@@ -165,6 +165,27 @@ def test_pressure_never_frees_a_page_whose_copy_is_in_flight():
     mgr.check()
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "always"])
+def test_a_held_request_keeps_every_page_while_a_connector_sends_its_blocks(mode):
+    mgr, pool = manager(proactive_copy=False, mode=mode, hot_rows=64)
+    mgr.add_request("sending")
+    grow(mgr, pool, "sending", 5, 5 * BLOCK)
+    assert mgr.relieve_pressure(2) == 0
+    copies = mgr.plan_copies()
+    assert any(mgr.requests["sending"].pages[c.page_index].demote_when_copied for c in copies)
+    mgr.hold("sending")  # it finished; a P/D producer still reads its blocks
+    mgr.complete_copies(copies)
+    mgr.complete_copies(mgr.plan_copies())
+    assert mgr.relieve_pressure(8) == 0
+    mgr.complete_copies(mgr.plan_copies())
+    assert mgr.counters.pages_demoted == 0
+    assert mgr.requests["sending"].count(PageState.HOST) == 0, "no page left the device"
+    mgr.check()
+    end(mgr, pool, "sending")
+    pool.check(mgr)
+    assert pool.num_free_blocks() == pool.num_blocks, "everything returned once it ends"
+
+
 def test_always_mode_demotes_without_pressure():
     mgr, pool = manager(mode="always", hot_rows=64)
     mgr.add_request("a")

@@ -132,6 +132,9 @@ class RequestResidency:
     copying: dict[int, None] = field(default_factory=dict)
     # Set by the scheduler: the request still has prompt tokens to compute.
     prefilling: bool = False
+    # The request finished but a KV connector still reads its blocks: no page leaves
+    # the device until it ends (`ResidencyManager.hold`).
+    held: bool = False
 
     @property
     def state(self) -> RequestState:
@@ -396,6 +399,21 @@ class ResidencyManager:
                 self.host_pool.release(page.host_page)
         self.allocator.give_back(req.hot_blocks)
 
+    def hold(self, request_id: str) -> None:
+        """The request finished, but a KV connector still reads its blocks (a P/D producer
+        sending them): from now until `finish`, none of its pages is demoted or marked."""
+        req = self.requests.get(request_id)
+        if req is None or req.held:
+            return
+        req.held = True
+        self._settled.pop(request_id, None)
+        for index, page in enumerate(req.pages):
+            if page.demote_when_copied:
+                page.demote_when_copied = False
+                self._marked.pop((request_id, index), None)
+                if page.state is PageState.DEVICE and not page.copying:
+                    req.uncopied[index] = None
+
     def set_prefilling(self, request_id: str, prefilling: bool) -> None:
         """Whether the request still has prompt tokens to compute (relief prefers other victims)."""
         self.requests[request_id].prefilling = prefilling
@@ -595,7 +613,7 @@ class ResidencyManager:
         for req in sorted(self.requests.values(), key=lambda r: -r.num_complete_pages):
             if num_pages <= 0:
                 return
-            if req.request_id == protect:
+            if req.request_id == protect or req.held:
                 continue
             demotable = req.num_demotable_pages
             candidates = sorted(i for i in (*req.copying, *req.uncopied) if i < demotable)
@@ -616,7 +634,8 @@ class ResidencyManager:
 
     def _add_settled(self, req: RequestResidency, index: int) -> None:
         bisect.insort(req.both_demotable, index)
-        self._settled[req.request_id] = None
+        if not req.held:
+            self._settled[req.request_id] = None
 
     def _demote(self, req: RequestResidency, indices: Sequence[int]) -> int:
         """BOTH -> HOST for these pages; returns blocks returned to the pool, net of a new lease.
@@ -702,7 +721,7 @@ class ResidencyManager:
             assert req.num_both_pages == states.count(PageState.BOTH)
             assert req.num_host_demotable == states[:demotable].count(PageState.HOST)
             assert req.both_demotable == [i for i in range(demotable) if states[i] is PageState.BOTH]
-            assert (req.request_id in self._settled) == bool(req.both_demotable)
+            assert (req.request_id in self._settled) == (bool(req.both_demotable) and not req.held)
             assert set(req.copying) == {i for i, p in enumerate(req.pages) if p.copying}
             assert set(req.uncopied) == {
                 i for i, p in enumerate(req.pages[: req.num_complete_pages])

@@ -6,7 +6,8 @@ scheduler process:
 - residency works on the KV cache manager through `KVCacheBlockAccess`
   (`kv_cache_access.py`);
 - pressure relief before preemption, called by `KVCacheManager.allocate_slots`
-  when the pool cannot satisfy an allocation (new tokens, a new request);
+  when the pool cannot satisfy an allocation (new tokens, a new request); a
+  finished request whose blocks a KV connector still sends is held, never a victim;
 - prefix hits from the host pool: a waiting request whose prefix pages live
   only in the host pool (its indexer blocks still cached on the device) takes
   them as placeholders plus a hot lease and starts NONE instead of recomputing;
@@ -134,6 +135,13 @@ class HiSparseScheduling:
         self._imports: dict[str, dict[int, int]] = {}
         if self.import_kind is ImportKind.LANDS_ON_HOST:
             scheduler.connector.host_landing = self.host_landing
+        elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
+            logger.info(
+                "Hybrid HiSparse: %s loads imports into device blocks, as upstream; a connector "
+                "that moves blocks between instances needs the same KV cache groups on both "
+                "(give the other instance hisparse_config too)",
+                type(scheduler.connector).__name__,
+            )
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
         # The workers' data path counters (see WORKER_COUNTERS), summed over steps.
@@ -380,11 +388,15 @@ class HiSparseScheduling:
             pending = ({}, lease)
             self._pending_hits[request_id] = pending
         pending[0].update(on_host)
+        return self._with_host_placeholders(new_computed_blocks, len(on_host)), num_external_tokens
+
+    def _with_host_placeholders(self, blocks: KVCacheBlocks, num_pages: int) -> KVCacheBlocks:
+        """`blocks` whose sparse-MLA groups go on with null placeholders for `num_pages` HOST pages."""
         null_block = self.kv_cache_manager.block_pool.null_block
-        extended = [list(group) for group in new_computed_blocks.blocks]
+        extended = [list(group) for group in blocks.blocks]
         for g in self.mla_group_ids:
-            extended[g].extend([null_block] * len(on_host))
-        return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
+            extended[g].extend([null_block] * num_pages)
+        return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
 
     def _land_import(
         self,
@@ -441,11 +453,7 @@ class HiSparseScheduling:
                 host_pool.release(page)
         self._imports[request_id] = landed
         pending[0].update(landed)
-        null_block = self.kv_cache_manager.block_pool.null_block
-        extended = [list(group) for group in new_computed_blocks.blocks]
-        for g in self.mla_group_ids:
-            extended[g].extend([null_block] * len(landed))
-        return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended)), num_external_tokens
+        return self._with_host_placeholders(new_computed_blocks, len(landed)), num_external_tokens
 
     def host_landing(self, request_id: str) -> dict[int, int]:
         """The pages of `request_id`'s import that land in the host pool: page index -> host page."""
@@ -499,6 +507,13 @@ class HiSparseScheduling:
             restored[position] = host_page
             block_ids = tuple(t[position].block_id for t in tables)
             self._restores.append(PageRestore(request.request_id, position, block_ids, host_page))
+
+    def hold(self, request: Request) -> None:
+        """The request finished and the KV connector keeps its blocks to send them (a P/D
+        producer): none of its pages may leave the device until `release`. The
+        OffloadingConnector's groups hold no sparse-MLA page, so its sends need no hold."""
+        if self.import_kind is not ImportKind.HOST_POOL_GROUPS:
+            self.residency.hold(request.request_id)
 
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""

@@ -290,7 +290,10 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
                 with gpu_sync_allowed():
                     stored = paged[rows.slots // block_size, rows.slots % block_size].detach().cpu()
                 path = self._generate_filename_debug(name, transfer.token_ids, transfer.mm_hashes)
-                safetensors.torch.save_file({"kv_cache": stored.contiguous()}, path)
+                # Each tensor-parallel rank of an MLA model stores the same rows: whole files only.
+                partial = f"{path}.{os.getpid()}.partial"
+                safetensors.torch.save_file({"kv_cache": stored.contiguous()}, partial)
+                os.replace(partial, path)
             folder = self._generate_foldername_debug(transfer.token_ids, transfer.mm_hashes)
             with open(os.path.join(folder, COMPLETE_MARKER), "w"):
                 pass
