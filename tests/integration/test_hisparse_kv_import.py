@@ -42,10 +42,10 @@ def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 3000 + 10 for i in range(length)]
 
 
-def consumer(model: str, storage, hisparse: bool) -> SchedulerHarness:
+def consumer(model: str, storage, hisparse: bool, role: str = "kv_consumer") -> SchedulerHarness:
     """A decode instance's scheduler over 6 MiB of KV cache: twelve pages either way."""
     transfer = KVTransferConfig(
-        kv_connector="ExampleConnector", kv_role="kv_consumer",
+        kv_connector="ExampleConnector", kv_role=role,
         kv_connector_extra_config={"shared_storage_path": str(storage)},
     )  # fmt: skip
     h = SchedulerHarness.create(
@@ -159,3 +159,15 @@ def test_a_full_host_pool_lands_the_import_on_the_device(model, tmp_path):
     h.run_until_done()
     assert all(req.num_output_tokens == req.max_tokens for req in h.requests.values())
     assert h.hisparse.stats()["pages_imported_to_host"] == 0
+
+
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_only_an_instance_without_hisparse_stores_prompts(model, tmp_path, hisparse):
+    """A store is planned in one step and runs after that step's forward; with HiSparse the
+    prompt's pages could leave the device in between, so such an instance stores nothing."""
+    h = consumer(model, tmp_path, hisparse=hisparse, role="kv_both")
+    h.add_request(prompt(2, 300), max_tokens=4, request_id="new")
+    output = h.schedule()
+    meta = output.kv_connector_metadata
+    assert isinstance(meta, GroupedExampleConnectorMetadata)
+    assert [t.request_id for t in meta.requests if t.is_store] == ([] if hisparse else ["new"])

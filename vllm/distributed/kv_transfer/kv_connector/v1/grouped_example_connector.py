@@ -13,7 +13,8 @@ class keeps its storage and its hit rule and adds:
   own group's blocks (SupportsHMA);
 - every layer with a KV cache is stored (indexer caches included), once the
   prompt's stored prefix is computed, whatever the chunking; only producer
-  roles store, and a folder is complete once its `complete` marker exists;
+  roles without Hybrid HiSparse store, and a folder is complete once its
+  `complete` marker exists;
 - a load skips the null placeholders of a local hit and, with Hybrid HiSparse,
   writes the pages it lands in the host pool there (`host_landing`, see
   vllm/v1/hisparse/kv_import.py) instead of into device blocks.
@@ -173,7 +174,14 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
                     rows=rows,
                 )
             )
-        if self._stores:
+        if self._stores and self.host_landing is not None:
+            # With Hybrid HiSparse here, a prompt's pages can leave the device between the
+            # step that schedules a store and the one that runs it.
+            logger.warning_once(
+                "ExampleConnector stores nothing on an instance with hisparse_config: its "
+                "sparse-MLA pages may be in the host pool. Store from a producer without it."
+            )
+        elif self._stores:
             self._plan_stores(scheduler_output, meta)
         self._loads.clear()
         self._load_requests.clear()
