@@ -16,7 +16,8 @@ land in the host pool. Several multi-turn sessions go through the proxy:
   the same, and the contrast (running requests, preemptions, prompt tokens
   computed, wall time) is printed for the record;
 - over NixlConnector (UCX on the CPU) the decode instance with HiSparse pulls
-  every prompt and gives the same tokens; its imports land on the device.
+  every prompt, the pages it lands on the host straight into its host pool,
+  and gives the same tokens.
 """
 
 from __future__ import annotations
@@ -173,17 +174,23 @@ def through_proxy(prefill: VllmServer, decode: VllmServer, logs: Path, name: str
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The sessions on one all-resident instance, then through P/D with HiSparse on and off."""
+def reference(tmp_path_factory) -> dict[tuple[int, int], list[int]]:
+    """The sessions' greedy tokens on one all-resident instance."""
+    server = VllmServer(model_dir(SPARSE_GLM5), "tiny-glm5", [*COMMON, *ONE_CHUNK],
+                        tmp_path_factory.mktemp("serve-reference") / "reference.log")
+    server.start()
+    try:
+        return run_sessions(server)[0]
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, reference):
+    """The sessions through P/D over ExampleConnector, HiSparse on and off."""
     logs = tmp_path_factory.mktemp("serve-pd")
     model = model_dir(SPARSE_GLM5)
-    out = {}
-    reference = VllmServer(model, "tiny-glm5", [*COMMON, *ONE_CHUNK], logs / "reference.log")
-    reference.start()
-    try:
-        out["reference"] = run_sessions(reference)[0]
-    finally:
-        reference.stop()
+    out = {"reference": reference}
     storage = logs / "storage"
     prefill_args = [*COMMON, *ONE_CHUNK, *example_connector("kv_producer", storage)]
     prefill = VllmServer(model, "tiny-glm5", prefill_args, logs / "prefill.log")
@@ -249,11 +256,11 @@ def nixl_connector(role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role})]
 
 
-def test_nixl_imports_land_on_the_device_and_match_one_instance(runs, tmp_path):
+def test_nixl_imports_land_in_the_host_pool_and_match_one_instance(reference, tmp_path):
     """NixlConnector over UCX on the CPU: the decode instance pulls every prompt from the
-    prefill instance's KV blocks. Both instances need the same KV cache groups, so the
-    prefill instance runs with hisparse_config too. NIXL's imports land in device blocks
-    (its descriptors address registered blocks, not the host pool)."""
+    prefill instance's KV blocks, the pages HiSparse lands on the host straight into its
+    registered host pool. Both instances need the same KV cache groups, so the prefill
+    instance runs with hisparse_config too."""
     model = model_dir(SPARSE_GLM5)
     prefill = VllmServer(
         model, "tiny-glm5", [*COMMON, *ONE_CHUNK, *HISPARSE, *nixl_connector("kv_producer")],
@@ -270,8 +277,9 @@ def test_nixl_imports_land_on_the_device_and_match_one_instance(runs, tmp_path):
     finally:
         prefill.stop()
     print(f"\nNIXL decode in {DECODE_KV_CACHE_BYTES} bytes of KV cache, HiSparse on: {nixl.summary()}")
-    assert nixl.tokens == runs["reference"]
+    assert nixl.tokens == reference
     assert nixl.count("vllm:nixl_num_failed_transfers_total") == 0
     assert nixl.count("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
     assert nixl.computed_prompt_tokens == 0, "the decode instance computed no prompt token itself"
-    assert nixl.count("vllm:hisparse_pages_imported_to_host_total") == 0
+    assert nixl.count("vllm:hisparse_pages_imported_to_host_total") > 0, "imports landed in the host pool"
+    assert nixl.count("vllm:hisparse_requests_started_none_total") > 0, "imported requests started NONE"

@@ -17,7 +17,9 @@ Owns the two halves of that contract that cross the connector's boundary:
   host page each landed page takes (page index -> host page);
 - worker side: the host pool's per-layer views, registered by the HiSparse
   worker, that a landing connector's worker writes landed rows into
-  (`host_pool_layer`). Every tensor-parallel rank writes its own import, also
+  (`host_pool_layer`), or is handed once the pool exists
+  (`when_host_pool_registered`: a connector that registers the pool with a
+  transfer engine, made before the pool). Every tensor-parallel rank writes its own import, also
   where the node's ranks share one pool: the rows are identical, and each rank
   then reads only after its own write.
 
@@ -54,12 +56,23 @@ def import_kind(connector: Any) -> ImportKind:
 
 
 _host_pool_layers: dict[str, torch.Tensor] = {}
+_host_pool_listeners: list[Callable[[Mapping[str, torch.Tensor]], None]] = []
 
 
 def register_host_pool_layers(layers: Mapping[str, torch.Tensor]) -> None:
     """The worker's host pool, one [host page, 64 rows, width] view per sparse-MLA layer."""
     _host_pool_layers.clear()
     _host_pool_layers.update(layers)
+    for listener in _host_pool_listeners:
+        listener(dict(_host_pool_layers))
+
+
+def when_host_pool_registered(listener: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
+    """Call `listener` with the host pool's per-layer views once the worker registers them
+    (at once if it already has)."""
+    _host_pool_listeners.append(listener)
+    if _host_pool_layers:
+        listener(dict(_host_pool_layers))
 
 
 def host_pool_layer(layer_name: str) -> torch.Tensor:
