@@ -8,8 +8,18 @@ them the indexer's. Under pressure the sparse-MLA pages of the import land in
 the host pool: the request is admitted with the indexer's blocks, its tail and
 a hot lease, starts NONE, and the connector's metadata sends those pages' rows
 to the host pages HiSparse allocated. With room on the device the import lands
-there, as upstream. The harness plays the worker's part; no bytes move here
-(the e2e P/D test moves them).
+there, as upstream.
+
+NixlConnector as a `kv_consumer`: a request that a prefill instance computed
+arrives with the remote blocks in its `kv_transfer_params`, and NIXL reads them
+asynchronously while the request waits. Under pressure the connector's metadata
+tells the workers which host page each landed page takes, and the device read
+covers only the indexer's pages and the tail; once the read is reported done,
+the request is admitted NONE on exactly those host pages. A HiSparse producer
+does not offer a request whose sparse-MLA pages are not all on its device.
+
+The harness plays the worker's part; no bytes move here (the e2e P/D test
+moves them, over UCX for NIXL).
 """
 
 from __future__ import annotations
@@ -25,6 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector impo
     COMPLETE_MARKER,
     GroupedExampleConnectorMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector import (
+    NULL_BLOCK_ID,
+    HostLandingNixlConnector,
+)
+from vllm.v1.outputs import KVConnectorOutput
 
 BLOCK = 64
 MLA_GROUPS = 6
@@ -171,3 +186,110 @@ def test_only_an_instance_without_hisparse_stores_prompts(model, tmp_path, hispa
     meta = output.kv_connector_metadata
     assert isinstance(meta, GroupedExampleConnectorMetadata)
     assert [t.request_id for t in meta.requests if t.is_store] == ([] if hisparse else ["new"])
+
+
+def nixl_instance(model: str, role: str, hisparse: bool = True) -> SchedulerHarness:
+    """An instance over NixlConnector, with the same KV cache as `consumer`'s."""
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=KV_CACHE_BYTES, attention_config=HISPARSE if hisparse else None,
+        max_model_len=640, max_num_batched_tokens=1024, kv_transfer_config=transfer,
+    )  # fmt: skip
+    assert isinstance(h.scheduler.connector, HostLandingNixlConnector)
+    return h
+
+
+def remote_prefill(num_tokens: int, num_groups: int) -> dict:
+    """kv_transfer_params of a request a prefill instance computed: its blocks per group."""
+    pages = -(-num_tokens // BLOCK)
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False,
+        "remote_block_ids": [[100 * g + p + 1 for p in range(pages)] for g in range(num_groups)],
+        "remote_engine_id": "prefill-engine", "remote_request_id": "remote-1",
+        "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": num_tokens,
+    }  # fmt: skip
+
+
+def test_under_pressure_nixl_reads_the_landed_pages_into_the_host_pages_hisparse_allocated(model):
+    h = nixl_instance(model, "kv_consumer")
+    busy(h)
+    tokens = prompt(1, 400)
+    pages = -(-len(tokens) // BLOCK)
+    assert pages * PAGE_BLOCKS > h.num_free_blocks(), "the import exceeds the free device blocks"
+    h.add_request(tokens, max_tokens=8, request_id="imported",
+                  extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)})
+    output = h.schedule()
+    assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
+    meta = output.kv_connector_metadata
+    landing = meta.host_landing["imported"]
+    last_page = (len(tokens) - 1) // BLOCK
+    assert sorted(landing) == list(range(last_page)), "whole pages before the last prompt page land"
+    assert len(set(landing.values())) == len(landing)
+    local = meta.reqs_to_recv["imported"].local_block_ids
+    mla_groups = h.hisparse.mla_group_ids
+    for g in range(h.num_groups):
+        expected = pages - len(landing) if g in mla_groups else pages
+        assert len(local[g]) == expected, f"group {g}: device blocks only for what lands on the device"
+        assert NULL_BLOCK_ID not in local[g]
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+
+    # The workers report the read done: the request is admitted NONE on those host pages.
+    done = h.schedule()
+    finished = h.model_runner_output(done)
+    finished.kv_connector_output = KVConnectorOutput(finished_recving={"imported"})
+    h.scheduler.update_from_output(done, finished)
+    admitted = h.schedule()
+    tail = len(tokens) - last_page * BLOCK
+    assert 0 < admitted.num_scheduled_tokens.get("imported", 0) <= tail, "only the tail is computed"
+    residency = h.hisparse.residency.requests["imported"]
+    on_host = {i: page.host_page for i, page in enumerate(residency.pages) if page.block_ids is None}
+    assert on_host == landing, "the pages NIXL wrote are the pages the request reads"
+    assert residency.state.value == "none"
+    h.scheduler.update_from_output(admitted, h.model_runner_output(admitted))
+    assert h.hisparse.stats()["pages_imported_to_host"] == len(landing)
+    h.run_until_done()
+    assert h.total_preemptions == 0
+    assert all(req.num_output_tokens == req.max_tokens for req in h.requests.values())
+
+
+def test_with_room_on_the_device_nixl_reads_every_page_there_as_upstream(model):
+    h = nixl_instance(model, "kv_consumer")
+    tokens = prompt(1, 200)
+    pages = -(-len(tokens) // BLOCK)
+    h.add_request(tokens, max_tokens=8, request_id="imported",
+                  extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)})
+    meta = h.schedule().kv_connector_metadata
+    assert meta.host_landing == {}
+    assert [len(group) for group in meta.reqs_to_recv["imported"].local_block_ids] == [pages] * h.num_groups
+
+
+def finished_producer_request(h: SchedulerHarness, request_id: str):
+    """A prompt a producer computed for remote decode, finished after its one token."""
+    request = h.add_request(prompt(3, 300), max_tokens=1, request_id=request_id,
+                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    for _ in range(10):
+        if request.is_finished():
+            return request
+        h.step()
+    raise AssertionError(f"{request_id} did not finish: {request.status}")
+
+
+@pytest.mark.parametrize("hisparse", [True, False])
+def test_a_producer_offers_only_requests_whose_pages_are_all_on_its_device(model, hisparse):
+    h = nixl_instance(model, "kv_producer", hisparse=hisparse)
+    request = finished_producer_request(h, "prefilled")
+    connector = h.scheduler.connector
+    blocks = tuple([b + 1 for b in range(5)] for _ in range(h.num_groups))
+    delay, params = connector.request_finished_all_groups(request, blocks)
+    assert delay and params["remote_block_ids"] == blocks
+    managed = h.hisparse.mla_group_ids if hisparse else (0,)
+    placeholder = tuple(
+        [NULL_BLOCK_ID, *group[1:]] if g == managed[0] else group for g, group in enumerate(blocks)
+    )
+    request.kv_transfer_params["do_remote_decode"] = True
+    delay, params = connector.request_finished_all_groups(request, placeholder)
+    if hisparse:
+        assert (delay, params) == (False, None), "a page held only on the host is not offered"
+        assert connector.connector_scheduler.declined_sends == 1
+    else:
+        assert delay and params["remote_block_ids"] == placeholder

@@ -26,7 +26,8 @@ pool:
 Both instances must have the same KV cache layout (the same model, dtype and
 hisparse_config grouping), as upstream's NixlConnector already requires; a
 remote whose regions differ from the local ones is refused at the handshake.
-Push mode (NixlPushConnector) is not changed.
+Host staging buffers (`kv_buffer_device: "cpu"`) are refused with
+hisparse_config. Push mode (NixlPushConnector) is not changed.
 """
 
 from __future__ import annotations
@@ -245,6 +246,13 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
 class HostLandingNixlWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        if vllm_config.attention_config.hisparse_config is not None and self.use_host_buffer:
+            raise ValueError(
+                "NixlConnector with kv_buffer_device='cpu' stages the KV cache in host buffers laid "
+                "out block for block like the device cache, so Hybrid HiSparse cannot land imports "
+                "in its host pool: remove kv_buffer_device from --kv-transfer-config, or remove "
+                "hisparse_config"
+            )
         groups = kv_cache_config.kv_cache_groups
         self._group_of_landed_layer = {
             name: g for g in hisparse_managed_group_ids(groups) for name in groups[g].layer_names
