@@ -260,7 +260,9 @@ def test_nixl_imports_land_in_the_host_pool_and_match_one_instance(reference, tm
     """NixlConnector over UCX on the CPU: the decode instance pulls every prompt from the
     prefill instance's KV blocks, the pages HiSparse lands on the host straight into its
     registered host pool. Both instances need the same KV cache groups, so the prefill
-    instance runs with hisparse_config too."""
+    instance runs with hisparse_config too. Both of a landing request's reads notify the
+    prefill instance, which frees its blocks once both are done: none are left held or
+    expired after the sessions."""
     model = model_dir(SPARSE_GLM5)
     prefill = VllmServer(
         model, "tiny-glm5", [*COMMON, *ONE_CHUNK, *HISPARSE, *nixl_connector("kv_producer")],
@@ -274,6 +276,7 @@ def test_nixl_imports_land_in_the_host_pool_and_match_one_instance(reference, tm
     prefill.start()
     try:
         nixl = through_proxy(prefill, decode, tmp_path, "nixl")
+        prefill_metrics = prefill.metrics()
     finally:
         prefill.stop()
     print(f"\nNIXL decode in {DECODE_KV_CACHE_BYTES} bytes of KV cache, HiSparse on: {nixl.summary()}")
@@ -283,3 +286,6 @@ def test_nixl_imports_land_in_the_host_pool_and_match_one_instance(reference, tm
     assert nixl.computed_prompt_tokens == 0, "the decode instance computed no prompt token itself"
     assert nixl.count("vllm:hisparse_pages_imported_to_host_total") > 0, "imports landed in the host pool"
     assert nixl.count("vllm:hisparse_requests_started_none_total") > 0, "imported requests started NONE"
+    # Every read notified the prefill instance: it freed every block at once, none on expiry.
+    assert metric(prefill_metrics, "vllm:nixl_num_kv_expired_reqs_total") == 0
+    assert metric(prefill_metrics, "vllm:kv_cache_usage_perc") == 0
