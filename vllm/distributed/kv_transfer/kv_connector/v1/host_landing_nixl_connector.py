@@ -195,6 +195,9 @@ def names_null_block(block_ids: Sequence[Sequence[int]], group_ids: Sequence[int
 
 
 class HostLandingNixlScheduler(NixlPullConnectorScheduler):
+    """Upstream's pull scheduler, plus each read's landed pages in the step's metadata and,
+    on a HiSparse producer, no offer of a request with pages off its device."""
+
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.host_landing: HostLanding | None = None
@@ -244,6 +247,9 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
 
 
 class HostLandingNixlWorker(NixlPullConnectorWorker):
+    """Upstream's pull worker, plus the host pool registered with NIXL and one more READ
+    per request with landed pages, straight into their host pages."""
+
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         if vllm_config.attention_config.hisparse_config is not None and self.use_host_buffer:
