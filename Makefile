@@ -2,8 +2,6 @@
 PYTHON ?= python3
 VENV_PY := .venv/bin/python
 PYTEST_ARGS ?=
-# Test workers: each takes whole modules (tests/conftest.py's xdist groups); 0 runs in one process.
-TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
@@ -13,10 +11,10 @@ BENCH_ARGS ?=
 setup:
 	$(PYTHON) scripts/setup_env.py $(if $(FORCE),--force,)
 
-## test: setup, then lint and the whole CPU test suite in TEST_WORKERS workers (GPU tests skip without CUDA)
+## test: setup, then lint and the whole CPU test suite (GPU tests skip without CUDA)
 test: setup
 	$(VENV_PY) -m ruff check .
-	$(VENV_PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(VENV_PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV_PY) -m ruff check .

@@ -25,21 +25,7 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# Modules that look for host pool names under /dev/shm while their servers run, or after:
-# run one after another, so neither sees the other's names.
-SHARED_HOST_POOL_MODULES = ("test_hisparse_tensor_parallel.py", "test_hisparse_data_parallel.py")
-
-
-def xdist_group(item: pytest.Item) -> str:
-    """The worker group of a test under `pytest -n N --dist loadgroup` (`make test`): its
-    module, so a module's fixtures are built once, on one worker."""
-    module = item.path.name
-    return "shared-host-pool" if module in SHARED_HOST_POOL_MODULES else str(item.path)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
