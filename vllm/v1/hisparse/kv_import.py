@@ -18,10 +18,10 @@ Owns the two halves of that contract that cross the connector's boundary:
 - worker side: the host pool's per-layer views, registered by the HiSparse
   worker, that a landing connector's worker writes landed rows into
   (`host_pool_layer`), or is handed once the pool exists
-  (`when_host_pool_registered`: a connector that registers the pool with a
-  transfer engine, made before the pool). Every tensor-parallel rank writes its own import, also
-  where the node's ranks share one pool: the rows are identical, and each rank
-  then reads only after its own write.
+  (`when_host_pool_registered`, for a connector made before the pool that
+  registers it with a transfer engine). Every tensor-parallel rank writes its
+  own import, also where the node's ranks share one pool: the rows are
+  identical, and each rank then reads only after its own write.
 
 It never decides where a page lands and never copies.
 """
