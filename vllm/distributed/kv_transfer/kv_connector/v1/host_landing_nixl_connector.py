@@ -219,8 +219,7 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
             self._landings[request_id] = dict(landing)
 
     def build_connector_meta(self, scheduler_output: Any) -> NixlConnectorMetadata:
-        landings = {rid: pages for rid, pages in self._landings.items() if rid in self._reqs_need_recv}
-        self._landings.clear()
+        landings, self._landings = self._landings, {}
         meta = super().build_connector_meta(scheduler_output)
         # Read by HostLandingNixlWorker.start_load_kv; absent on upstream's workers.
         meta.host_landing = landings
@@ -269,7 +268,6 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         self._host_pages: dict[str, torch.Tensor] = {}
         # Landed pages of requests whose reads have not started (page -> host page).
         self._landings: dict[str, dict[int, int]] = {}
-        self.pages_landed = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
@@ -353,7 +351,6 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             )
             self.nixl_wrapper.transfer(handle)
             self._recving_transfers.setdefault(request_id, []).append(handle)
-            self.pages_landed += len(landing)
         except Exception as e:
             self._log_failure(
                 failure_type="host_landing_failed",
