@@ -226,8 +226,11 @@ def test_a_connector_hit_keeps_its_host_pages_until_its_request_is_scheduled(mod
     finish_step = HiSparseScheduling.finish_step
 
     def checked_finish_step(self, scheduler, scheduler_output):
-        for request_id in self._pending_hits:
+        for record in self.admissions.records():
+            request_id = record.request_id
             request = scheduler.requests.get(request_id)
+            if not record.allocated:
+                continue  # looked up this step and not admitted: released below
             loading = request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request_id not in scheduler_output.num_scheduled_tokens and not loading:
                 waited.append(request_id)

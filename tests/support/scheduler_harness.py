@@ -20,9 +20,20 @@ and drives the scheduler step by step the way ``EngineCore.step`` does.
   chunk) and hands it to ``update_from_output``; ``run_until_done`` repeats that and
   returns one ``StepObservation`` per step.
 - With ``hisparse_config`` set, the harness plays the worker's part of the residency
-  protocol: it reports every copy in the step's ``hisparse_plan`` as done (or none, with
-  ``runs_hisparse_plans=False``, as a worker without HiSparse does). No bytes move: the
-  tests built on it check plans and bookkeeping, not KV contents.
+  protocol: it reports every copy in the step's ``hisparse_plan`` as done, by copy id,
+  ``report_delay`` steps later (0: in the same step's output; a CUDA worker reports once
+  the copy's event has passed, a step or more later), or nothing, with
+  ``runs_hisparse_plans=False``, as a worker without HiSparse does. After every step it
+  runs HiSparse's ownership check (``check_ownership``). No bytes move: the tests built
+  on it check plans and bookkeeping, not KV contents.
+- With the OffloadingConnector, the harness plays its workers too: every load and store
+  job a step's connector metadata carries completes ``report_delay`` steps later
+  (``OffloadingWorkerMetadata.completed_jobs``), and a request whose loads all completed
+  is reported in ``finished_recving``, so asynchronous loads hold their requests waiting
+  for a while, as on a GPU. No bytes move.
+- ``async_scheduling=True`` steps the way ``EngineCore.step_with_batch_queue`` does with
+  two batches in flight: the next step is scheduled before the previous step's output is
+  processed (the scheduler is then vLLM's ``AsyncScheduler``).
 
 It runs no model: the worker and executor are absent, so nothing is computed and no KV
 cache memory is allocated; only scheduling and block accounting are real. It never
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +59,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,12 +88,15 @@ def make_vllm_config(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
     attention_config: dict[str, Any] | None = None,
+    async_scheduling: bool = False,
     **engine_args: Any,
 ) -> VllmConfig:
     """A real VllmConfig, as ``EngineArgs.create_engine_config`` makes it for an engine.
 
     ``model`` defaults to the tiny GLM-5 checkpoint; ``attention_config=HISPARSE`` turns
-    on HiSparse's KV cache grouping. Extra keyword arguments go to ``EngineArgs``.
+    on HiSparse's KV cache grouping. ``async_scheduling``: schedule a step ahead, as on
+    CUDA (the CPU platform turns it off; it is turned back on after the platform's
+    checks). Extra keyword arguments go to ``EngineArgs``.
     """
     from vllm.engine.arg_utils import EngineArgs
 
@@ -97,7 +112,10 @@ def make_vllm_config(
         args["max_num_seqs"] = max_num_seqs
     if attention_config is not None:
         args["attention_config"] = attention_config
-    return EngineArgs(**args).create_engine_config()
+    vllm_config = EngineArgs(**args).create_engine_config()
+    if async_scheduling:
+        vllm_config.scheduler_config.async_scheduling = True
+    return vllm_config
 
 
 def model_kv_cache_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
@@ -284,6 +302,8 @@ class SchedulerHarness:
         specs: dict[str, KVCacheSpec] | None = None,
         sampled_token: int = DEFAULT_SAMPLED_TOKEN,
         runs_hisparse_plans: bool = True,
+        report_delay: int | Callable[[], int] = 0,
+        check_ownership: bool = True,
     ) -> None:
         from vllm.config import hisparse as hisparse_config
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -315,6 +335,17 @@ class SchedulerHarness:
         self.block_hasher = make_block_hasher(vllm_config, self.hash_block_size)
         self.sampled_token = sampled_token
         self.runs_hisparse_plans = runs_hisparse_plans
+        # Steps until a planned copy is reported: a number, or a function drawing one.
+        self.report_delay = report_delay if callable(report_delay) else (lambda: report_delay)
+        self.check_ownership = check_ownership
+        # Copy reports not yet delivered: (the step that delivers them, copy ids).
+        self._reports: list[tuple[int, list[int]]] = []
+        # OffloadingConnector jobs not yet completed: (the step that completes them, job
+        # id, the request of a load job or None for a store).
+        self._jobs: list[tuple[int, int, str | None]] = []
+        # Scheduled steps whose output is not processed yet, newest first, with that output.
+        self._batches: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self.batch_queue_size = vllm_config.max_concurrent_batches
         self.requests: dict[str, Request] = {}
         self.observations: list[StepObservation] = []
         self.total_preemptions = 0
@@ -328,6 +359,8 @@ class SchedulerHarness:
         memory_bytes: int | None = None,
         sampled_token: int = DEFAULT_SAMPLED_TOKEN,
         runs_hisparse_plans: bool = True,
+        report_delay: int | Callable[[], int] = 0,
+        check_ownership: bool = True,
         **config_args: Any,
     ) -> SchedulerHarness:
         """A harness over a fresh ``make_vllm_config(**config_args)``."""
@@ -337,6 +370,8 @@ class SchedulerHarness:
             memory_bytes=memory_bytes,
             sampled_token=sampled_token,
             runs_hisparse_plans=runs_hisparse_plans,
+            report_delay=report_delay,
+            check_ownership=check_ownership,
         )
 
     # ------------------------------------------------------------------ state
@@ -412,7 +447,8 @@ class SchedulerHarness:
     def model_runner_output(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """What the worker would return: ``sampled_token`` for every scheduled request whose
         prefill is complete after this step, nothing for a partial prefill chunk (the V1
-        model runner's ``discard_request_mask``: computed tokens < tokens)."""
+        model runner's ``discard_request_mask``: computed tokens < tokens); and the copy
+        reports due at this step. Made when the step is scheduled, as the worker runs it."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -424,33 +460,77 @@ class SchedulerHarness:
                 continue
             done_prefill = request.num_computed_tokens >= request.num_tokens
             sampled.append([self.sampled_token] if done_prefill else [])
-        plan = scheduler_output.hisparse_plan
-        copied = None
-        if plan is not None and self.runs_hisparse_plans:
-            copied = [(copy.request_id, copy.page_index) for copy in plan.copies]
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            hisparse_copied=copied,
+            kv_connector_output=self._offloading_output(scheduler_output),
+            hisparse_copied=self._copy_reports(scheduler_output),
         )
 
+    def _offloading_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
+        """The OffloadingConnector workers' report: jobs done by now, loads finished."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = scheduler_output.kv_connector_metadata
+        if not isinstance(meta, OffloadingConnectorMetadata):
+            return None
+        step = len(self.observations)
+        for jobs, is_load in ((meta.load_jobs, True), (meta.store_jobs, False)):
+            for job_id, job in jobs.items():
+                self._jobs.append((step + self.report_delay(), job_id, job.req_id if is_load else None))
+        done = [job for job in self._jobs if job[0] <= step]
+        self._jobs = [job for job in self._jobs if job[0] > step]
+        loading = {req_id for _, _, req_id in self._jobs if req_id is not None}
+        finished = {req_id for _, _, req_id in done if req_id is not None} - loading
+        worker_meta = OffloadingWorkerMetadata(completed_jobs={job_id: 1 for _, job_id, _ in done})
+        return KVConnectorOutput(finished_recving=finished, kv_connector_worker_meta=worker_meta)
+
+    def _copy_reports(self, scheduler_output: SchedulerOutput) -> list[int] | None:
+        """The copy ids this step's worker reports: its own copies after their delay, and
+        earlier steps' whose delay is over."""
+        plan = scheduler_output.hisparse_plan
+        if plan is None or not self.runs_hisparse_plans:
+            return None
+        step = len(self.observations)
+        if plan.copies:
+            self._reports.append((step + self.report_delay(), [c.copy_id for c in plan.copies]))
+        due = [ids for at, ids in self._reports if at <= step]
+        self._reports = [(at, ids) for at, ids in self._reports if at > step]
+        return [copy_id for ids in due for copy_id in ids]
+
     def step(self) -> StepObservation:
-        """One EngineCore step: schedule, synthetic forward, update_from_output."""
-        scheduler_output = self.schedule()
-        num_preempted = len(scheduler_output.preempted_req_ids or ())
-        self.total_preemptions += num_preempted
-        cached = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        """One EngineCore step: schedule, synthetic forward, update_from_output. With
+        ``async_scheduling``, a step whose batch queue has room only schedules, and the
+        oldest batch's output is processed once the queue is full or nothing more can be
+        scheduled (``EngineCore.step_with_batch_queue``)."""
+        scheduler_output = None
+        num_preempted = 0
+        cached: dict[str, int] = {}
+        if self.scheduler.has_requests() or not self._batches:
+            scheduler_output = self.schedule()
+            self._batches.appendleft((scheduler_output, self.model_runner_output(scheduler_output)))
+            num_preempted = len(scheduler_output.preempted_req_ids or ())
+            self.total_preemptions += num_preempted
+            cached = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         live = [rid for rid in self.scheduler.requests if rid in self.requests]
         num_computed = {rid: self.requests[rid].num_computed_tokens for rid in live}
         table_lengths = {rid: tuple(len(ids) for ids in self.block_ids(rid)) for rid in live}
         was_unfinished = set(self.unfinished())
 
-        self.scheduler.update_from_output(scheduler_output, self.model_runner_output(scheduler_output))
+        executed = scheduler_output is not None and scheduler_output.total_num_scheduled_tokens > 0
+        queue_has_room = len(self._batches) < self.batch_queue_size
+        if not (queue_has_room and (executed or self.scheduler.has_requests())):
+            done, output = self._batches.pop()
+            self.scheduler.update_from_output(done, output)
 
         observation = StepObservation(
             step=len(self.observations),
-            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens) if scheduler_output else {},
             new_request_cached_tokens=cached,
             num_preempted=num_preempted,
             total_preemptions=self.total_preemptions,
@@ -463,13 +543,25 @@ class SchedulerHarness:
             finished=sorted(was_unfinished - set(self.unfinished())),
         )
         if self.hisparse is not None:
-            observation.hisparse_plan = scheduler_output.hisparse_plan
+            observation.hisparse_plan = scheduler_output.hisparse_plan if scheduler_output else None
             observation.hisparse_states = {
                 rid: req.state.value for rid, req in self.hisparse.residency.requests.items()
             }
             observation.hisparse_stats = self.hisparse.stats()
+            if self.check_ownership:
+                self.hisparse.check_ownership()
         self.observations.append(observation)
         return observation
+
+    def busy(self) -> bool:
+        """Whether the engine would step again: requests, pending work, or batches in flight."""
+        return self.scheduler.has_requests() or bool(self._batches)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests the way the engine does for a client that went away."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def run_until_done(self, max_steps: int = 1000, *, strict: bool = True) -> list[StepObservation]:
         """Step until the scheduler has no requests left; return this call's observations.
@@ -478,10 +570,10 @@ class SchedulerHarness:
         """
         observations: list[StepObservation] = []
         for _ in range(max_steps):
-            if not self.scheduler.has_requests():
+            if not self.busy():
                 return observations
             observations.append(self.step())
-        if strict and self.scheduler.has_requests():
+        if strict and self.busy():
             raise RuntimeError(
                 f"requests {self.unfinished()} unfinished after {max_steps} steps; "
                 f"last step: {observations[-1] if observations else None}"

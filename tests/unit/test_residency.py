@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS
-from vllm.v1.hisparse.host_pool import HostPagePool
+from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
 from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
 BLOCK = 64
+
+
+def ids(copies) -> list:
+    """The copy ids a worker reports for these copies."""
+    return [copy.copy_id for copy in copies]
 
 
 class BlockPoolModel:
@@ -53,6 +60,9 @@ class BlockPoolModel:
 
     def num_exclusive(self, block_ids) -> int:
         return sum(self.refs[b] == 1 for b in block_ids)
+
+    def frees_are_deferred(self) -> bool:
+        return False
 
     def drop_page(self, request_id, page_index, block_ids) -> int:
         assert self.tables[request_id][page_index] == tuple(block_ids)
@@ -109,7 +119,7 @@ def test_no_pressure_keeps_every_request_full_and_copies_ahead():
         grow(mgr, pool, name, 4, 4 * BLOCK - 10)  # three complete pages, one tail
     copies = mgr.plan_copies()
     assert len(copies) == 6 and {c.page_index for c in copies} == {0, 1, 2}
-    mgr.complete_copies(copies)
+    mgr.complete_copies(ids(copies))
     assert mgr.requests_by_state()[RequestState.FULL] == 2
     assert mgr.pages_by_state() == {PageState.DEVICE: 2, PageState.BOTH: 6, PageState.HOST: 0}
     assert mgr.counters.hot_leases == 0 and mgr.counters.pages_demoted == 0
@@ -120,7 +130,7 @@ def test_pressure_demotes_copied_pages_and_leases_a_hot_buffer():
     mgr, pool = manager(num_blocks=16, hot_rows=64)  # lease = one block
     mgr.add_request("a")
     grow(mgr, pool, "a", 6, 6 * BLOCK - 1)
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(mgr.plan_copies()))
     free_before = pool.num_free_blocks()
     freed = mgr.relieve_pressure(2, protect="b")
     assert freed == 2 and pool.num_free_blocks() == free_before + 2
@@ -140,7 +150,7 @@ def test_a_page_moves_its_blocks_in_every_sparse_mla_group_together():
     grow(mgr, pool, "a", 5, 5 * BLOCK - 1)
     copies = mgr.plan_copies()
     assert all(len(c.block_ids) == 2 for c in copies)
-    mgr.complete_copies(copies)
+    mgr.complete_copies(ids(copies))
     free_before = pool.num_free_blocks()
     assert mgr.relieve_pressure(4) == 4
     req = mgr.requests["a"]
@@ -160,7 +170,7 @@ def test_pressure_never_frees_a_page_whose_copy_is_in_flight():
     # Two pages for the blocks wanted and two for the lease (128 rows) the demotion takes.
     assert len(copies) == 4, "pressure marks pages for copy-then-free"
     assert mgr.relieve_pressure(2) == 0, "still in flight"
-    assert mgr.complete_copies(copies) == 2
+    assert mgr.complete_copies(ids(copies)) == 2
     assert mgr.requests["a"].count(PageState.HOST) == 4
     mgr.check()
 
@@ -174,10 +184,10 @@ def test_a_held_request_keeps_every_page_while_a_connector_sends_its_blocks(mode
     copies = mgr.plan_copies()
     assert any(mgr.requests["sending"].pages[c.page_index].demote_when_copied for c in copies)
     mgr.hold("sending")  # it finished; a P/D producer still reads its blocks
-    mgr.complete_copies(copies)
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(copies))
+    mgr.complete_copies(ids(mgr.plan_copies()))
     assert mgr.relieve_pressure(8) == 0
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(mgr.plan_copies()))
     assert mgr.counters.pages_demoted == 0
     assert mgr.requests["sending"].count(PageState.HOST) == 0, "no page left the device"
     mgr.check()
@@ -190,12 +200,12 @@ def test_always_mode_demotes_without_pressure():
     mgr, pool = manager(mode="always", hot_rows=64)
     mgr.add_request("a")
     grow(mgr, pool, "a", 4, 4 * BLOCK - 1)
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(mgr.plan_copies()))
     states = [p.state for p in mgr.requests["a"].pages]
     assert states == [PageState.HOST] * 2 + [PageState.BOTH, PageState.DEVICE], "the tail stays"
     assert mgr.requests["a"].state is RequestState.NONE
     grow(mgr, pool, "a", 1, 5 * BLOCK - 1)  # the tail moves on: its old last page can go
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(mgr.plan_copies()))
     assert [p.state for p in mgr.requests["a"].pages][:3] == [PageState.HOST] * 3
     mgr.check()
 
@@ -204,10 +214,10 @@ def test_a_host_only_prefix_starts_the_next_request_none():
     mgr, pool = manager(mode="always", hot_rows=64)
     mgr.add_request("a", block_hashes=["h0", "h1", "h2"])
     grow(mgr, pool, "a", 4, 4 * BLOCK - 1)
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(mgr.plan_copies()))
     end(mgr, pool, "a")
     assert pool.num_free_blocks() == pool.num_blocks
-    hits = mgr.host_prefix(["h0", "h1", "hX"])
+    hits = mgr.retain_host_prefix(["h0", "h1", "hX"])
     assert len(hits) == 2
     mgr.add_request("b", block_hashes=["h0", "h1", "hX"])
     pool.add_placeholders("b", len(hits))
@@ -226,22 +236,21 @@ def test_restored_pages_start_both_and_are_the_first_relief_can_free():
     mgr, pool = manager(hot_rows=64)
     mgr.add_request("a", block_hashes=hashes)
     grow(mgr, pool, "a", 5, 5 * BLOCK - 1)
-    mgr.complete_copies(mgr.plan_copies())  # h0..h3 durable in the host pool
+    mgr.complete_copies(ids(mgr.plan_copies()))  # h0..h3 durable in the host pool
     end(mgr, pool, "a")
-    hits = mgr.host_prefix(hashes)
+    hits = mgr.retain_host_prefix(hashes)
     assert len(hits) == 4
     # A KV connector hit: blocks are allocated for the pages and filled from the host pool;
-    # the request registers (its first scheduled step) only after the connector's load.
-    for page in hits:
-        mgr.reserve_restore("b", page)
-    mgr.check()
+    # the request registers (its first scheduled step) only after the connector's load,
+    # and until then the hit's references are its admission's.
+    mgr.check(other_host_references=Counter(hits))
     blocks = pool.allocate_pages("b", 4, mgr.blocks_per_page)
     mgr.add_request("b", block_hashes=hashes)
     for block_ids, page in zip(blocks, hits, strict=True):
         mgr.append_restored_page("b", block_ids, page)
     grow(mgr, pool, "b", 1, 4 * BLOCK + 1)
     assert [p.state for p in mgr.requests["b"].pages] == [PageState.BOTH] * 4 + [PageState.DEVICE]
-    assert mgr.requests["b"].state is RequestState.FULL and mgr.counters.pages_restored == 4
+    assert mgr.requests["b"].state is RequestState.FULL
     assert mgr.plan_copies() == [], "restored pages are durable already"
     free_before = pool.num_free_blocks()
     assert mgr.relieve_pressure(1) > 0, "they are freed without a copy"
@@ -252,18 +261,20 @@ def test_restored_pages_start_both_and_are_the_first_relief_can_free():
     assert pool.num_free_blocks() == pool.num_blocks and mgr.host_pool.num_referenced == 0
 
 
-def test_a_request_that_ends_before_its_restore_registers_returns_the_host_pages():
-    mgr, pool = manager()
-    mgr.add_request("a", block_hashes=["h0"])
-    grow(mgr, pool, "a", 2, 2 * BLOCK)
-    mgr.complete_copies(mgr.plan_copies())
+def test_a_retained_host_prefix_is_never_evicted_by_an_allocation():
+    mgr, pool = manager(host_pages=2)
+    mgr.add_request("a", block_hashes=["h0", "h1"])
+    grow(mgr, pool, "a", 3, 3 * BLOCK)
+    mgr.complete_copies(ids(mgr.plan_copies()))
     end(mgr, pool, "a")
-    mgr.reserve_restore("b", mgr.host_prefix(["h0"])[0])
-    assert mgr.host_pool.num_referenced == 1
-    mgr.check()
-    mgr.finish("b")  # aborted while the connector was still loading
-    assert mgr.host_pool.num_referenced == 0
-    mgr.check()
+    assert mgr.host_pool.num_available == 2, "both host pages are cached and evictable"
+    (page,) = mgr.retain_host_prefix(["h0"])
+    assert mgr.host_pool.num_available == 1
+    mgr.check(other_host_references=Counter([page]))
+    assert mgr.host_pool.allocate() != page
+    with pytest.raises(HostPoolExhausted):
+        mgr.host_pool.allocate()
+    assert mgr.host_pool.lookup("h0") == page, "the retained copy is still indexed"
 
 
 def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
@@ -275,7 +286,7 @@ def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
     assert not set(copies[0].block_ids) & set(pool.free), "the worker still reads those blocks"
     mgr.check()
     pool.check(mgr)
-    mgr.complete_copies(copies)
+    mgr.complete_copies(ids(copies))
     assert pool.num_free_blocks() == pool.num_blocks
     assert mgr.host_pool.lookup("x") == copies[0].host_page, "the landed copy serves later prefixes"
     mgr.check()
@@ -288,12 +299,12 @@ def test_a_cancelled_copy_leaves_the_page_resident_and_returns_its_host_slot():
     mgr.relieve_pressure(2)
     copies = mgr.plan_copies()
     assert len(copies) == 2
-    mgr.cancel_copies(copies)
+    mgr.cancel_copies(ids(copies))
     assert mgr.pages_by_state()[PageState.DEVICE] == 3 and mgr.host_pool.num_referenced == 0
     assert mgr.host_pool.lookup("x") is None, "a copy that did not happen is never published"
     retry = mgr.plan_copies()
     assert [c.page_index for c in retry] == [0, 1], "still marked for demotion"
-    mgr.complete_copies(retry)
+    mgr.complete_copies(ids(retry))
     assert mgr.requests["a"].count(PageState.HOST) == 2
     mgr.check()
     pool.check(mgr)
@@ -306,7 +317,7 @@ def test_a_page_shared_with_another_request_frees_nothing_when_demoted():
     shared = pool.tables["a"][0]
     pool.hold(shared)  # another request's block table references the same prefix block
     pool.tables["b"] = [shared]
-    mgr.complete_copies(mgr.plan_copies())
+    mgr.complete_copies(ids(mgr.plan_copies()))
     free_before = pool.num_free_blocks()
     freed = mgr.relieve_pressure(2)
     assert pool.num_free_blocks() == free_before + freed
@@ -329,8 +340,7 @@ def test_a_lease_is_no_larger_than_the_whole_context():
     mgr.add_request("hit", max_tokens=200)
     pool.add_placeholders("hit", 1)
     host_page = mgr.host_pool.allocate()
-    mgr.append_host_pages("hit", [host_page], lease)
-    mgr.host_pool.release(host_page)  # the request holds its own reference
+    mgr.append_host_pages("hit", [host_page], lease)  # the reference passes to the request
     assert len(mgr.requests["hit"].hot_blocks) == 4
     with pytest.raises(ValueError, match="hot lease is 4 blocks, got 8"):
         mgr.add_request("hit2", max_tokens=200)
@@ -349,7 +359,7 @@ def test_relief_never_marks_a_victim_whose_demotion_cannot_pay_for_its_lease():
     for _ in range(60):
         assert mgr.relieve_pressure(4) == 0
         assert not mgr.relief_pending() and not mgr.defer_preemption()
-        mgr.complete_copies(mgr.plan_copies())
+        mgr.complete_copies(ids(mgr.plan_copies()))
         mgr.end_schedule()
     assert mgr.counters.pages_demoted == 0 and mgr.counters.hot_leases == 0
     mgr.check()
@@ -367,7 +377,7 @@ def test_a_marked_victim_that_cannot_pay_when_its_copies_land_is_unmarked():
     for page in mgr.requests["a"].pages[:4]:
         pool.hold(page.block_ids)
     pool.take(pool.num_free_blocks())
-    assert mgr.complete_copies(copies) == 0
+    assert mgr.complete_copies(ids(copies)) == 0
     assert not mgr.relief_pending() and not mgr.defer_preemption(), "nothing left to wait for"
     assert mgr.counters.victims_skipped == 1 and mgr.requests["a"].count(PageState.HOST) == 0
     mgr.check()
@@ -389,7 +399,7 @@ def test_preemption_waits_for_relief_a_bounded_number_of_steps():
     mgr.end_schedule()  # a step that deferred nothing (the scheduler preempted)
     assert mgr.defer_preemption(), "the next pressure may wait again"
     mgr.end_schedule()
-    assert mgr.complete_copies(in_flight) > 0
+    assert mgr.complete_copies(ids(in_flight)) > 0
     mgr.check()
 
 
@@ -432,10 +442,8 @@ class ResidencyMachine(RuleBasedStateMachine):
         name = f"r{self.next_id}"
         self.next_id += 1
         hashes = [f"p{i}" for i in range(shared_prefix)] + [f"{name}-{i}" for i in range(4)]
-        hits = self.mgr.host_prefix(hashes)
+        hits = self.mgr.retain_host_prefix(hashes)
         if restore and hits and len(hits) * self.mgr.blocks_per_page <= self.pool.num_free_blocks():
-            for page in hits:
-                self.mgr.reserve_restore(name, page)
             blocks = self.pool.allocate_pages(name, len(hits), self.mgr.blocks_per_page)
             self.mgr.add_request(name, hashes, max_tokens)
             for block_ids, page in zip(blocks, hits, strict=True):
@@ -444,7 +452,9 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.mgr.add_request(name, hashes, max_tokens)
             lease = self.mgr.lease(self.mgr.requests[name].lease_blocks) if hits else []
             if not lease:
-                hits = []  # no room for a hot buffer: the prefix is recomputed
+                for page in hits:  # no room for a hot buffer: the prefix is recomputed
+                    self.mgr.host_pool.release(page)
+                hits = []
             self.pool.add_placeholders(name, len(hits))
             if hits:
                 self.mgr.append_host_pages(name, hits, lease)
@@ -488,10 +498,10 @@ class ResidencyMachine(RuleBasedStateMachine):
         batch = self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
         free_before = self.pool.num_free_blocks()
         if lands:
-            freed = self.mgr.complete_copies(batch)
+            freed = self.mgr.complete_copies(ids(batch))
             assert self.pool.num_free_blocks() >= free_before + freed
         else:
-            self.mgr.cancel_copies(batch)
+            self.mgr.cancel_copies(ids(batch))
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data(), blocks=st.integers(1, 12))
@@ -523,10 +533,21 @@ class ResidencyMachine(RuleBasedStateMachine):
                 return  # served, or the scheduler preempts
             self.in_flight.append(self.mgr.plan_copies())
             if data.draw(st.booleans()):
-                self.mgr.complete_copies(self.in_flight.pop())
+                self.mgr.complete_copies(ids(self.in_flight.pop()))
             self.mgr.end_schedule()
             idle_steps = 0 if self.pool.num_free_blocks() > free_before else idle_steps + 1
             assert idle_steps <= MAX_PREEMPTION_DEFERRALS, "preemption waited on relief that frees nothing"
+
+    @precondition(lambda self: self.mgr.requests)
+    @rule(data=st.data())
+    def preempt_and_resume(self, data):
+        """Preemption: the request ends (copies of its pages may still be in flight) and comes
+        back under the same id, so its pages are planned again before the first reports land."""
+        name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        hashes = self.mgr.requests[name].block_hashes
+        end(self.mgr, self.pool, name)
+        self.mgr.add_request(name, hashes, self.max_tokens[name])
+        self.tokens[name] = 0
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data())
@@ -548,7 +569,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         for name in list(self.mgr.requests):
             end(self.mgr, self.pool, name)
         for batch in self.in_flight:
-            self.mgr.complete_copies(batch)
+            self.mgr.complete_copies(ids(batch))
         assert self.pool.num_free_blocks() == self.pool.num_blocks, "everything returns at the end"
         assert self.mgr.host_pool.num_referenced == 0
         self.mgr.check()

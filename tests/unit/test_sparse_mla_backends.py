@@ -126,7 +126,7 @@ def plan(host_pages: tuple[tuple[int, int], ...]) -> SimpleNamespace:
             "staging": (StepStaging("mixed", BLOCK, ((STAGING_BLOCK,),)),),
         }
     return SimpleNamespace(
-        hisparse_plan=HiSparseStepPlan(HISPARSE_PLAN_VERSION, (0,), (), (), (), **changes),
+        hisparse_plan=HiSparseStepPlan(HISPARSE_PLAN_VERSION, 0, (0,), (), (), (), **changes),
         finished_req_ids=set(),
         preempted_req_ids=None,
         num_scheduled_tokens={"full": 2, "mixed": 3},

@@ -49,8 +49,13 @@ class HostPagePool:
         return self._refs.get(page, 0)
 
     def lookup(self, block_hash: Hashable) -> int | None:
-        """The host page holding a durable copy of this block, if any."""
+        """The host page holding a durable copy of this block, if any (not retained: an
+        allocation may evict it; `retain_cached` for a page the caller will read)."""
         return self._by_hash.get(block_hash)
+
+    def is_indexed(self, page: int) -> bool:
+        """Whether the page is findable by a block hash (its copy is durable)."""
+        return page in self._hash_of
 
     # -- changes -------------------------------------------------------------
 
@@ -74,6 +79,14 @@ class HostPagePool:
             raise KeyError(f"host page {page} is neither referenced nor cached")
         del self._evictable[page]
         self._refs[page] = 1
+
+    def retain_cached(self, block_hash: Hashable) -> int | None:
+        """The host page holding a durable copy of this block, retained, or None: the
+        caller's reference keeps it from eviction until released or handed on."""
+        page = self._by_hash.get(block_hash)
+        if page is not None:
+            self.retain(page)
+        return page
 
     def release(self, page: int) -> None:
         refs = self._refs.get(page, 0)

@@ -1,71 +1,198 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The KV cache manager's block pool and block tables, as Hybrid HiSparse residency sees them.
+"""The KV cache manager's block pool and block tables, as Hybrid HiSparse sees them.
 
-Owns the adapter between the residency state machine (`residency.py`, which
-speaks of block ids) and vLLM's `KVCacheManager`: hot leases are ordinary pool
-blocks taken and given back; a demoted page leaves the request's block table
-for the null block in every sparse-MLA group, and each such change is recorded
-as a `BlockTableUpdate` for the step's plan.
+Owns the adapter between HiSparse's scheduler side (residency and admission,
+which speak of block ids) and vLLM's `KVCacheManager`: every read of the block
+pool, the block tables and the prefix cache, and every change HiSparse makes to
+them, goes through this class. Hot leases and staging are ordinary pool blocks
+taken and given back; a demoted page leaves the request's block table for the
+null block in every sparse-MLA group, and each such change is recorded as a
+`BlockTableUpdate` for the step's plan. Blocks HiSparse takes never include a
+guarded block (a pending admission's prefix hit, `guard_with`), and the free
+blocks it counts leave those out.
 
-It never decides what to demote or lease; it only carries out what residency
-asks, through the block pool's and the single-type managers' own structures.
+Frees follow upstream's fence: when the scheduler defers frees (a KV consumer
+connector with more than one batch in flight), a block whose last reference
+HiSparse drops returns to the pool only once the step in flight is processed,
+through the scheduler's own deferred-free queue, so no connector load into a
+reallocated block races a step that still reads it.
+
+It never decides what to demote, lease or guard; it only carries out what
+residency and admission ask, through the block pool's and the single-type
+managers' own structures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from vllm.v1.hisparse.plan import BlockTableUpdate
+from vllm.v1.hisparse.plan import BlockId, BlockTableUpdate, PageIndex
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 
 class KVCacheBlockAccess:
-    """The KV cache manager's block pool and block tables, as residency sees them."""
+    """The KV cache manager's block pool, block tables and prefix cache, as HiSparse sees them."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int]) -> None:
-        self.block_pool = kv_cache_manager.block_pool
-        self.managers = [kv_cache_manager.coordinator.single_type_managers[g] for g in mla_group_ids]
+    def __init__(
+        self, kv_cache_manager: KVCacheManager, mla_group_ids: Sequence[int], other_group_ids: Sequence[int]
+    ) -> None:
+        self._manager = kv_cache_manager
+        self._pool = kv_cache_manager.block_pool
+        self._groups = kv_cache_manager.coordinator.single_type_managers
+        self._mla = [self._groups[g] for g in mla_group_ids]
         self.mla_group_ids = tuple(mla_group_ids)
+        self.other_group_ids = tuple(other_group_ids)
+        self.null_block = self._pool.null_block
+        self.null_block_id = BlockId(self.null_block.block_id)
+        self.use_eagle = kv_cache_manager.use_eagle
         self.updates: list[BlockTableUpdate] = []
+        self._scheduler: Scheduler | None = None
+        self._guarded: Callable[[], Iterable[KVCacheBlock]] = tuple
 
-    def _blocks(self, block_ids: Sequence[int]):
-        return [self.block_pool.blocks[b] for b in block_ids]
+    def guard_with(self, guarded: Callable[[], Iterable[KVCacheBlock]]) -> None:
+        """Never take the blocks `guarded()` names (pending admissions' prefix hits)."""
+        self._guarded = guarded
+
+    def use_fence_of(self, scheduler: Scheduler) -> None:
+        """Free through `scheduler`'s deferred-free fence whenever it applies."""
+        self._scheduler = scheduler
+
+    # -- the pool ----------------------------------------------------------------
+
+    def _guarded_free(self) -> list[KVCacheBlock]:
+        """Guarded blocks in the free queue, where an allocation could pop them."""
+        seen: dict[int, KVCacheBlock] = {}
+        for block in self._guarded():
+            if block.ref_cnt == 0:
+                seen[block.block_id] = block
+        return list(seen.values())
 
     def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
+        """Free blocks HiSparse may take: the pool's, less the guarded ones."""
+        return self._pool.get_num_free_blocks() - len(self._guarded_free())
+
+    def frees_are_deferred(self) -> bool:
+        scheduler = self._scheduler
+        return (
+            scheduler is not None
+            and scheduler.defer_block_free
+            and scheduler.sched_step_seq > scheduler.processed_step_seq
+        )
+
+    def _free(self, blocks: list[KVCacheBlock]) -> int:
+        """Drop one reference of each block; returns how many lost their last one."""
+        last = sum(b.ref_cnt == 1 for b in blocks)
+        if self.frees_are_deferred():
+            assert self._scheduler is not None
+            # Upstream's queue frees an entry in reverse, once its fence step is processed.
+            self._scheduler.deferred_frees.append((self._scheduler.sched_step_seq, blocks[::-1]))
+        else:
+            self._pool.free_blocks(blocks)
+        return last
+
+    def _blocks(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
+        return [self._pool.blocks[b] for b in block_ids]
 
     def take(self, num_blocks: int) -> list[int]:
-        return [b.block_id for b in self.block_pool.get_new_blocks(num_blocks)]
+        """`num_blocks` new blocks, none of them guarded. While it takes, guarded free
+        blocks are held out of the free queue (they return to its LRU end)."""
+        guarded = self._guarded_free()
+        if not guarded:
+            return [b.block_id for b in self._pool.get_new_blocks(num_blocks)]
+        self._pool.touch(guarded)
+        try:
+            return [b.block_id for b in self._pool.get_new_blocks(num_blocks)]
+        finally:
+            self._pool.free_blocks(guarded)
 
     def give_back(self, block_ids: Sequence[int]) -> None:
-        self.block_pool.free_blocks(self._blocks(block_ids))
+        self._free(self._blocks(block_ids))
 
     def hold(self, block_ids: Sequence[int]) -> None:
         blocks = self._blocks(block_ids)
         assert all(b.ref_cnt > 0 for b in blocks), "only a referenced block can be held"
-        self.block_pool.touch(blocks)
+        self._pool.touch(blocks)
 
     def num_exclusive(self, block_ids: Sequence[int]) -> int:
         return sum(b.ref_cnt == 1 for b in self._blocks(block_ids))
 
+    # -- the prefix cache ----------------------------------------------------------
+
+    def cached_page(self, block_hash: object, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        """The device blocks of a page the prefix cache holds in every one of `group_ids`."""
+        return self._pool.get_cached_block(block_hash, list(group_ids))
+
+    def with_pages(self, blocks: KVCacheBlocks, pages: Sequence[Sequence[KVCacheBlock]]) -> KVCacheBlocks:
+        """`blocks` with more pages appended, one block per KV cache group each."""
+        extended = [list(group) for group in blocks.blocks]
+        for page in pages:
+            for group, block in zip(extended, page, strict=True):
+                group.append(block)
+        return self._manager.create_kv_cache_blocks(tuple(extended))
+
+    def with_host_placeholders(self, blocks: KVCacheBlocks, num_pages: int) -> KVCacheBlocks:
+        """`blocks` whose sparse-MLA groups go on with null placeholders for `num_pages` HOST pages."""
+        extended = [list(group) for group in blocks.blocks]
+        for g in self.mla_group_ids:
+            extended[g].extend([self.null_block] * num_pages)
+        return self._manager.create_kv_cache_blocks(tuple(extended))
+
+    # -- the block tables ----------------------------------------------------------
+
+    def has_blocks(self, request_id: str) -> bool:
+        return bool(self._mla[0].req_to_blocks.get(request_id))
+
+    def num_table_pages(self, request_id: str) -> int:
+        return len(self._mla[0].req_to_blocks.get(request_id, ()))
+
+    def page_block_ids(self, request_id: str, position: int) -> tuple[BlockId, ...]:
+        """The request's blocks of one page, one per sparse-MLA group (the null block for HOST)."""
+        return tuple(BlockId(m.req_to_blocks[request_id][position].block_id) for m in self._mla)
+
+    def num_cached_pages(self, request_id: str) -> int:
+        """Pages of the request every sparse-MLA group has committed to the prefix cache."""
+        return min(m.num_cached_block.get(request_id, 0) for m in self._mla)
+
     def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
-        null_block = self.block_pool.null_block
         dropped = []
-        for manager, group_id, block_id in zip(self.managers, self.mla_group_ids, block_ids, strict=True):
+        for manager, group_id, block_id in zip(self._mla, self.mla_group_ids, block_ids, strict=True):
             table = manager.req_to_blocks[request_id]
             block = table[page_index]
             assert block.block_id == block_id, (
                 f"{request_id} page {page_index}: table holds block {block.block_id}, "
                 f"residency {block_id}"
             )
-            table[page_index] = null_block
+            table[page_index] = self.null_block
             dropped.append(block)
-            self.updates.append(BlockTableUpdate(request_id, group_id, page_index, null_block.block_id))
-        free_before = self.block_pool.get_num_free_blocks()
-        self.block_pool.free_blocks(dropped)
-        return self.block_pool.get_num_free_blocks() - free_before
+            self.updates.append(
+                BlockTableUpdate(request_id, group_id, PageIndex(page_index), self.null_block_id)
+            )
+        return self._free(dropped)
 
+    # -- what the ownership check reads ----------------------------------------------
 
+    def table_entries(self) -> Iterator[tuple[str, int, int, KVCacheBlock]]:
+        """(request, group, position, block) of every non-null entry of every block table."""
+        for group_id, manager in enumerate(self._groups):
+            for request_id, blocks in manager.req_to_blocks.items():
+                for position, block in enumerate(blocks):
+                    if not block.is_null:
+                        yield request_id, group_id, position, block
+
+    def deferred_references(self) -> Counter[int]:
+        """Block -> references waiting in the scheduler's deferred-free queue."""
+        if self._scheduler is None:
+            return Counter()
+        return Counter(b.block_id for _, blocks in self._scheduler.deferred_frees for b in blocks)
+
+    def pool_blocks(self) -> Sequence[KVCacheBlock]:
+        return self._pool.blocks
+
+    def free_queue_ids(self) -> list[int]:
+        return [b.block_id for b in self._pool.free_block_queue.get_all_free_blocks()]

@@ -14,9 +14,17 @@ A leaf: it imports nothing from HiSparse and holds no behaviour.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NewType
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 4
+HISPARSE_PLAN_VERSION = 5
+
+# The ids that cross between scheduler and workers, typed so that a block id, a host
+# page and a page index cannot be passed one for another.
+BlockId = NewType("BlockId", int)  # a block of the device KV cache pool
+HostPage = NewType("HostPage", int)  # a page of the host pool
+PageIndex = NewType("PageIndex", int)  # a page's position in its request's block table
+CopyId = NewType("CopyId", int)  # one device->host copy, unique for the scheduler's life
 
 # What the workers count on the data path, reported per step in
 # ModelRunnerOutput.hisparse_counters. On the device: distinct rows loaded from the
@@ -44,12 +52,18 @@ WORKER_COUNTERS = (*DEVICE_COUNTERS, *HOST_COUNTERS, "device_reads")
 
 @dataclass(frozen=True)
 class PageCopy:
-    """One page, all sparse-MLA layers, device -> host after the forward."""
+    """One page, all sparse-MLA layers, device -> host after the forward.
 
+    Workers report it by `copy_id`, never by request and page: a request that is
+    preempted and resumes plans the same page again while the first copy may still
+    be in flight, and each report must reach the copy it belongs to.
+    """
+
+    copy_id: CopyId
     request_id: str
-    page_index: int
-    block_ids: tuple[int, ...]
-    host_page: int
+    page_index: PageIndex
+    block_ids: tuple[BlockId, ...]
+    host_page: HostPage
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,8 @@ class BlockTableUpdate:
 
     request_id: str
     group_id: int
-    position: int  # block index in the request's table for that group
-    block_id: int  # the null block for a demoted page
+    position: PageIndex  # block index in the request's table for that group
+    block_id: BlockId  # the null block for a demoted page
 
 
 @dataclass(frozen=True)
@@ -67,9 +81,9 @@ class PageRestore:
     """One page, all sparse-MLA layers, host -> device before the forward (a KV connector hit)."""
 
     request_id: str
-    page_index: int
-    block_ids: tuple[int, ...]  # one per sparse-MLA group, in the plan's group order
-    host_page: int
+    page_index: PageIndex
+    block_ids: tuple[BlockId, ...]  # one per sparse-MLA group, in the plan's group order
+    host_page: HostPage
 
 
 @dataclass(frozen=True)
@@ -81,8 +95,8 @@ class HostPageUpdate:
     """
 
     request_id: str
-    page_index: int
-    host_page: int
+    page_index: PageIndex
+    host_page: HostPage
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,7 @@ class HotLeaseUpdate:
     """
 
     request_id: str
-    block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, in the plan's group order
+    block_ids: tuple[tuple[BlockId, ...], ...]  # per sparse-MLA group, in the plan's group order
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,7 @@ class StepStaging:
 
     request_id: str
     num_slots: int  # rows per sparse-MLA layer: the blocks' pages, whole
-    block_ids: tuple[tuple[int, ...], ...]  # per sparse-MLA group, in the plan's group order
+    block_ids: tuple[tuple[BlockId, ...], ...]  # per sparse-MLA group, in the plan's group order
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,8 @@ class HiSparseStepPlan:
     """
 
     version: int
+    # The scheduler's step number (consecutive): what the step's reports refer to.
+    step: int
     mla_group_ids: tuple[int, ...]
     # Device -> host, all sparse-MLA layers of each page, after this step's forward.
     copies: tuple[PageCopy, ...]

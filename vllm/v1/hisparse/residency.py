@@ -26,10 +26,18 @@ the blocks of a copy still in flight when its request ends (`hold`), so a block
 the worker is still reading is never handed to another request. Hot-buffer
 leases are blocks this module takes from and gives back to the same pool.
 
-Invariants (asserted by `check`, held by the property tests):
+Every copy it plans has its own id (`PageCopy.copy_id`), and reports name
+copies by id: a preempted request that resumes plans its pages again while the
+first copies may still be in flight, and a late report must reach its own copy.
+
+Host pages come to a request with their reference: `append_host_pages` and
+`append_restored_page` take over the reference the caller (admission) holds.
+
+Invariants (asserted by `check`, held by the property tests; the ownership of
+every block across all its holders is `ownership.py`'s):
 - a page leaves the GPU only after its host copy is durable;
-- every device block reference is owned once: by a request's page (through
-  its block table), a hot lease, or an in-flight copy of an ended request;
+- every copy in flight is the copy of exactly one page (or of an ended request's
+  page, whose blocks it holds), and holds its host page alone;
 - host pool accounting never goes negative;
 - a finished or aborted request returns every lease and host reference
   (held blocks of copies in flight return when the copy lands or is cancelled).
@@ -43,13 +51,14 @@ import bisect
 import enum
 import itertools
 import math
-from collections.abc import Hashable, Sequence, Set
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS, RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-from vllm.v1.hisparse.plan import PageCopy
+from vllm.v1.hisparse.plan import CopyId, HostPage, PageCopy
 
 
 class PageState(enum.Enum):
@@ -75,6 +84,10 @@ class BlockAllocator(Protocol):
     def give_back(self, block_ids: Sequence[int]) -> None:
         """Drop one reference of each block (a lease or a `hold`)."""
 
+    def frees_are_deferred(self) -> bool:
+        """Whether a block whose last reference is dropped now returns only after the step
+        in flight (the scheduler's deferred-free fence), not at once."""
+
     def hold(self, block_ids: Sequence[int]) -> None:
         """Take one more reference of each block (a copy outlives its request)."""
 
@@ -84,8 +97,9 @@ class BlockAllocator(Protocol):
     def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
         """Remove a demoted page from the request's block table and drop its references.
 
-        Returns how many blocks that returned to the free pool (a block another
-        request still shares stays allocated).
+        Returns how many blocks lost their last reference (a block another request
+        still shares stays allocated); they return to the free pool at once, or
+        after the step in flight when frees are deferred.
         """
 
 
@@ -93,8 +107,12 @@ class BlockAllocator(Protocol):
 class Page:
     block_ids: tuple[int, ...] | None  # one device block per sparse-MLA group; None once HOST
     host_page: int | None = None  # host slot (reserved while a copy is in flight)
-    copying: bool = False  # a device->host copy into host_page is in flight
+    copy_id: CopyId | None = None  # the device->host copy into host_page in flight
     demote_when_copied: bool = False  # free the device block once the copy lands
+
+    @property
+    def copying(self) -> bool:
+        return self.copy_id is not None
 
     @property
     def state(self) -> PageState:
@@ -172,7 +190,6 @@ class ResidencyCounters:
     host_prefix_pages_reused: int = 0
     # Pages of a KV connector's import written straight into the host pool.
     pages_imported_to_host: int = 0
-    pages_restored: int = 0
     preemptions_avoided: int = 0
     # Victims unmarked because demoting them could not pay for their lease, and
     # preemptions allowed once deferrals reached MAX_PREEMPTION_DEFERRALS.
@@ -210,10 +227,12 @@ class ResidencyManager:
         self.proactive_copy = proactive_copy
         self.max_copies_per_step = max_copies_per_step
         self.requests: dict[str, RequestResidency] = {}
-        # Copies still in flight for requests that already ended: (held blocks, host page, hash).
-        self._orphans: dict[tuple[str, int], tuple[tuple[int, ...], int, Hashable | None]] = {}
-        # Host pages held for restores into requests' blocks, until the pages are appended.
-        self._restoring: dict[str, list[int]] = {}
+        # Every copy planned and not yet reported, by id.
+        self._in_flight: dict[CopyId, PageCopy] = {}
+        self._copy_ids = itertools.count()
+        # Those whose request already ended: the page's block hash, published once the
+        # copy lands. The copy holds the page's blocks (`hold`) and its host page.
+        self._orphans: dict[CopyId, Hashable | None] = {}
         self.counters = ResidencyCounters()
         # What changed since the last `drain_changes`, for the workers' maps: pages that
         # turned HOST (request, page index, host page) and leases taken (request, blocks).
@@ -253,11 +272,12 @@ class ResidencyManager:
             return self.hot_lease_blocks
         return min(self.hot_lease_blocks, -(-max_tokens // self.block_size) * self.blocks_per_page)
 
-    def host_prefix(self, block_hashes: Sequence[Hashable], start_page: int = 0) -> list[int]:
-        """Host pages holding durable copies of consecutive pages from `start_page` on."""
+    def retain_host_prefix(self, block_hashes: Sequence[Hashable], start_page: int = 0) -> list[HostPage]:
+        """Host pages holding durable copies of consecutive pages from `start_page` on,
+        each retained for the caller (who hands the references on or releases them)."""
         pages = []
         for block_hash in block_hashes[start_page:]:
-            page = self.host_pool.lookup(block_hash)
+            page = self.host_pool.retain_cached(block_hash)
             if page is None:
                 break
             pages.append(page)
@@ -276,9 +296,11 @@ class ResidencyManager:
     ) -> None:
         """Pages the request takes from the host pool instead of computing them (it turns NONE).
 
-        `imported`: the pages are a KV connector's import landing in the host pool,
-        allocated for the request (their reference passes to it) and indexed by the
-        request's block hashes, so later requests can start from them too.
+        The caller's reference of each host page passes to the request, and the
+        lease's blocks pass to it too (or go back, if it already has a lease).
+        `imported`: the pages are a KV connector's import that landed in the host
+        pool; they are indexed by the request's block hashes, so later requests can
+        start from them too.
         """
         req = self.requests[request_id]
         if req.hot_blocks:
@@ -294,9 +316,7 @@ class ResidencyManager:
         demotable = req.num_demotable_pages
         for page in host_pages:
             index = len(req.pages)
-            if not imported:
-                self.host_pool.retain(page)
-            elif (block_hash := req.page_hash(index)) is not None:
+            if imported and (block_hash := req.page_hash(index)) is not None:
                 self.host_pool.publish(page, block_hash)
             self._new_host_pages.append((request_id, index, page))
             req.pages.append(Page(block_ids=None, host_page=page))
@@ -321,24 +341,13 @@ class ResidencyManager:
                 req.uncopied[index] = None
         self._page_counts[PageState.DEVICE] += len(pages)
 
-    def reserve_restore(self, request_id: str, host_page: int) -> None:
-        """Hold `host_page` for a page about to be restored into a request's new blocks.
-
-        The request need not be registered yet (it may wait for a KV connector's
-        load); `append_restored_page` or `finish` takes the reference back.
-        """
-        self.host_pool.retain(host_page)
-        self._restoring.setdefault(request_id, []).append(host_page)
-        self.counters.pages_restored += 1
-
     def append_restored_page(self, request_id: str, block_ids: Sequence[int], host_page: int) -> None:
-        """A new page whose device blocks were filled from a reserved host page: BOTH at once."""
+        """A new page whose device blocks were filled from `host_page`: BOTH at once.
+
+        The caller's reference of the host page passes to the request.
+        """
         if len(block_ids) != self.blocks_per_page:
             raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
-        reserved = self._restoring.get(request_id, [])
-        reserved.remove(host_page)  # ValueError if it was never reserved
-        if not reserved:
-            self._restoring.pop(request_id, None)
         req = self.requests[request_id]
         req.pages.append(Page(block_ids=tuple(block_ids), host_page=host_page))
         req.num_both_pages += 1
@@ -378,8 +387,6 @@ class ResidencyManager:
         Its page blocks are the block table's to free; a page still being copied
         keeps one held reference until its copy lands or is cancelled.
         """
-        for host_page in self._restoring.pop(request_id, ()):
-            self.host_pool.release(host_page)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -391,10 +398,10 @@ class ResidencyManager:
             self._page_counts[page.state] -= 1
             if page.demote_when_copied:
                 self._marked.pop((request_id, index), None)
-            if page.copying:
+            if page.copy_id is not None:
                 assert page.block_ids is not None and page.host_page is not None
                 self.allocator.hold(page.block_ids)
-                self._orphans[(request_id, index)] = (page.block_ids, page.host_page, req.page_hash(index))
+                self._orphans[page.copy_id] = req.page_hash(index)
             elif page.host_page is not None:
                 self.host_pool.release(page.host_page)
         self.allocator.give_back(req.hot_blocks)
@@ -463,34 +470,54 @@ class ResidencyManager:
             req = self.requests[request_id]
             page = req.pages[index]
             assert page.block_ids is not None and page.state is PageState.DEVICE and not page.copying
-            page.host_page, page.copying = host_page, True
+            copy = PageCopy(CopyId(next(self._copy_ids)), request_id, index, page.block_ids, host_page)
+            page.host_page, page.copy_id = host_page, copy.copy_id
+            self._in_flight[copy.copy_id] = copy
             req.uncopied.pop(index, None)
             req.copying[index] = None
             if self.mode == "always" and index < req.num_demotable_pages and not page.demote_when_copied:
                 self._mark(req, index)
-            copies.append(PageCopy(request_id, index, page.block_ids, host_page))
+            copies.append(copy)
         return copies
 
-    def complete_copies(self, copies: Sequence[PageCopy]) -> int:
+    def _reported(self, copy_id: CopyId) -> PageCopy:
+        copy = self._in_flight.pop(copy_id, None)
+        if copy is None:
+            raise RuntimeError(
+                f"Hybrid HiSparse: a worker reported copy {copy_id}, which is not in flight "
+                "(never planned, or reported twice): scheduler and workers disagree"
+            )
+        return copy
+
+    def _end_orphan(self, copy: PageCopy, landed: bool) -> bool:
+        """A copy of an ended request's page ends: its host page and held blocks return
+        (the host copy stays cached under its block hash if it landed). False if the
+        copy's request is still running."""
+        if copy.copy_id not in self._orphans:
+            return False
+        block_hash = self._orphans.pop(copy.copy_id)
+        if landed and block_hash is not None:
+            self.host_pool.publish(copy.host_page, block_hash)
+        self.host_pool.release(copy.host_page)
+        self.allocator.give_back(copy.block_ids)
+        return True
+
+    def complete_copies(self, copy_ids: Iterable[CopyId]) -> int:
         """The worker reports these copies durable: DEVICE -> BOTH (or -> HOST if demoting).
 
-        Returns the device blocks that returned to the free pool.
+        Returns the device blocks that lost their last reference.
         """
         freed = 0
         demote: dict[str, list[int]] = {}
-        for copy in copies:
-            orphan = self._orphans.pop((copy.request_id, copy.page_index), None)
-            if orphan is not None:
-                block_ids, host_page, block_hash = orphan
-                if block_hash is not None:
-                    self.host_pool.publish(host_page, block_hash)
-                self.host_pool.release(host_page)
-                self.allocator.give_back(block_ids)
+        for copy_id in copy_ids:
+            copy = self._reported(copy_id)
+            if self._end_orphan(copy, landed=True):
                 continue
             req = self.requests[copy.request_id]
             page = req.pages[copy.page_index]
-            assert page.copying and page.block_ids == copy.block_ids and page.host_page == copy.host_page
-            page.copying = False
+            assert page.copy_id == copy_id and page.block_ids == copy.block_ids
+            assert page.host_page == copy.host_page
+            page.copy_id = None
             req.copying.pop(copy.page_index, None)
             req.num_both_pages += 1
             self._page_counts[PageState.DEVICE] -= 1
@@ -507,24 +534,32 @@ class ResidencyManager:
             freed += self._demote(self.requests[request_id], indices)
         return freed
 
-    def cancel_copies(self, copies: Sequence[PageCopy]) -> None:
+    def cancel_copies(self, copy_ids: Iterable[CopyId]) -> None:
         """These copies did not happen: the pages stay DEVICE and their host slots return."""
-        for copy in copies:
+        for copy_id in copy_ids:
+            copy = self._reported(copy_id)
             self.counters.copies_cancelled += 1
-            orphan = self._orphans.pop((copy.request_id, copy.page_index), None)
-            if orphan is not None:
-                block_ids, host_page, _ = orphan
-                self.host_pool.release(host_page)
-                self.allocator.give_back(block_ids)
+            if self._end_orphan(copy, landed=False):
                 continue
             req = self.requests[copy.request_id]
             page = req.pages[copy.page_index]
-            assert page.copying and page.host_page == copy.host_page
+            assert page.copy_id == copy_id and page.host_page == copy.host_page
             self.host_pool.release(copy.host_page)
-            page.host_page, page.copying = None, False
+            page.host_page, page.copy_id = None, None
             req.copying.pop(copy.page_index, None)
             if copy.page_index < req.num_complete_pages and not page.demote_when_copied:
                 req.uncopied[copy.page_index] = None
+
+    def cancel_all_copies(self) -> None:
+        """Every copy in flight did not happen (the workers do not run plans)."""
+        self.cancel_copies(list(self._in_flight))
+
+    def copies_in_flight(self) -> list[PageCopy]:
+        """Every copy planned and not yet reported, its request running or ended."""
+        return list(self._in_flight.values())
+
+    def num_copies_in_flight(self) -> int:
+        return len(self._in_flight)
 
     # -- pressure ------------------------------------------------------------
 
@@ -547,7 +582,8 @@ class ResidencyManager:
         `protected_blocks`. A request's first demotion costs it a hot lease, so
         it is demoted only if that frees more than the lease takes. If that is
         not enough, marks completed DEVICE pages for copy-then-free in the next
-        `plan_copies`. Returns blocks freed now, net of leases taken.
+        `plan_copies`. Returns blocks freed, net of leases taken (when frees are
+        deferred, some of them return only after the step in flight).
         """
         freed_total = 0
         victims = sorted(
@@ -581,15 +617,16 @@ class ResidencyManager:
             return True
         return any(self.requests[rid].pages[i].copying for rid, i in self._marked)
 
-    def defer_preemption(self) -> bool:
+    def defer_preemption(self, frees_pending: bool = False) -> bool:
         """Whether the scheduler should wait a step for marked pages instead of preempting.
 
-        Only while relief is pending, and for at most MAX_PREEMPTION_DEFERRALS
-        consecutive steps with nothing freed: copies land within a step or two, so
-        a longer wait means the marked pages cannot free anything and preempting is
-        the only way forward.
+        Only while relief is pending (or `frees_pending`: freed blocks return after
+        the step in flight), and for at most MAX_PREEMPTION_DEFERRALS consecutive
+        steps with nothing freed: copies land within a step or two, so a longer wait
+        means the marked pages cannot free anything and preempting is the only way
+        forward.
         """
-        if not self.relief_pending():
+        if not (frees_pending or self.relief_pending()):
             return False
         if not self._deferred_this_step:
             if self._deferrals >= MAX_PREEMPTION_DEFERRALS:
@@ -638,7 +675,7 @@ class ResidencyManager:
             self._settled[req.request_id] = None
 
     def _demote(self, req: RequestResidency, indices: Sequence[int]) -> int:
-        """BOTH -> HOST for these pages; returns blocks returned to the pool, net of a new lease.
+        """BOTH -> HOST for these pages; returns blocks freed (now or at the fence), net of a new lease.
 
         A request's first demotion leases its hot buffer from the blocks the
         demotion frees (topped up from the pool); if even that cannot cover the
@@ -647,7 +684,8 @@ class ResidencyManager:
         if not indices:
             return 0
         if not req.hot_blocks:
-            freeable = sum(
+            # Blocks whose frees wait for the step in flight cannot fund the lease now.
+            freeable = 0 if self.allocator.frees_are_deferred() else sum(
                 self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices
             )
             if freeable + self.allocator.num_free_blocks() < req.lease_blocks:
@@ -704,14 +742,28 @@ class ResidencyManager:
         return [b for req in self.requests.values() for b in req.hot_blocks]
 
     def held_blocks(self) -> list[int]:
-        return [b for blocks, _, _ in self._orphans.values() for b in blocks]
+        """Blocks held for copies in flight of requests that ended (one reference each)."""
+        return [b for copy_id in self._orphans for b in self._in_flight[copy_id].block_ids]
 
-    def check(self) -> None:
+    def host_references(self) -> Counter[int]:
+        """Host page -> the references this module holds: the pages of running requests
+        (BOTH, HOST, or the destination of a copy in flight) and the destinations of
+        ended requests' copies in flight."""
+        refs: Counter[int] = Counter(
+            page.host_page
+            for req in self.requests.values()
+            for page in req.pages
+            if page.host_page is not None
+        )
+        refs.update(self._in_flight[copy_id].host_page for copy_id in self._orphans)
+        return refs
+
+    def check(self, other_host_references: Counter[int] | None = None) -> None:
         """Assert the invariants in the module docstring, and that every kept count and
-        index list equals what the pages say."""
+        index list equals what the pages say. `other_host_references`: the host pool
+        references held elsewhere (admission), so every reference has a holder."""
         leased = self.leased_blocks()
         assert len(leased) == len(set(leased)), "a hot-lease block is leased twice"
-        host_refs: dict[int, int] = {}
         page_counts = dict.fromkeys(PageState, 0)
         marked = set()
         for req in self.requests.values():
@@ -737,18 +789,33 @@ class ResidencyManager:
                 assert req.num_host_pages * self.blocks_per_page <= req.lease_blocks, (
                     "a lease sized to the whole context holds every HOST row"
                 )
-            for page in req.pages:
+            for index, page in enumerate(req.pages):
                 if page.block_ids is None:
                     assert page.host_page is not None and not page.copying
-                if page.host_page is not None:
-                    host_refs[page.host_page] = host_refs.get(page.host_page, 0) + 1
+                if page.copy_id is not None:
+                    copy = self._in_flight.get(page.copy_id)
+                    assert copy is not None and page.copy_id not in self._orphans, (
+                        f"{req.request_id} page {index}: copy {page.copy_id} is not in flight for it"
+                    )
+                    assert (copy.request_id, copy.page_index) == (req.request_id, index)
+                    assert (copy.block_ids, copy.host_page) == (page.block_ids, page.host_page)
+        for copy_id, copy in self._in_flight.items():
+            if copy_id not in self._orphans:
+                req = self.requests.get(copy.request_id)
+                assert req is not None and req.pages[copy.page_index].copy_id == copy_id, (
+                    f"copy {copy_id} of {copy.request_id} page {copy.page_index} has no page waiting for it"
+                )
+            alone = self.host_pool.refs(copy.host_page) == 1 and not self.host_pool.is_indexed(copy.host_page)
+            assert alone, f"host page {copy.host_page} is written by copy {copy_id} and held by another"
+        assert set(self._orphans) <= set(self._in_flight)
         assert page_counts == self._page_counts
         assert marked == set(self._marked)
-        for _, host_page, _ in self._orphans.values():
-            host_refs[host_page] = host_refs.get(host_page, 0) + 1
-        for host_page in (page for pages in self._restoring.values() for page in pages):
-            host_refs[host_page] = host_refs.get(host_page, 0) + 1
+        host_refs = self.host_references()
+        if other_host_references:
+            host_refs.update(other_host_references)
         for host_page, refs in host_refs.items():
-            assert self.host_pool.refs(host_page) == refs, f"host page {host_page} refs disagree"
-        assert self.host_pool.num_referenced == len(host_refs)
+            assert self.host_pool.refs(host_page) == refs, (
+                f"host page {host_page}: {self.host_pool.refs(host_page)} references, {refs} holders"
+            )
+        assert self.host_pool.num_referenced == len(host_refs), "a host page is referenced by no holder"
         self.host_pool.check()

@@ -1,29 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hybrid HiSparse in the scheduler: residency wired to vLLM's KV cache manager.
 
-Owns the glue between the residency state machine (`residency.py`) and the
-scheduler process:
-- residency works on the KV cache manager through `KVCacheBlockAccess`
-  (`kv_cache_access.py`);
+Owns the step loop that joins residency (`residency.py`), admission
+(`admission.py`) and the workers:
+- residency and admission work on the KV cache manager only through
+  `KVCacheBlockAccess` (`kv_cache_access.py`), whose frees follow upstream's
+  deferred-free fence;
 - pressure relief before preemption, called by `KVCacheManager.allocate_slots`
   when the pool cannot satisfy an allocation (new tokens, a new request); a
-  finished request whose blocks a KV connector still sends is held, never a victim;
-- prefix hits from the host pool: a waiting request whose prefix pages live
-  only in the host pool (its indexer blocks still cached on the device) takes
-  them as placeholders plus a hot lease and starts NONE instead of recomputing;
-- KV connector hits: the OffloadingConnector handles every group but the
-  sparse-MLA ones (see offloading.py), so its hit is limited to pages the host
-  pool holds; those pages are restored into the blocks allocated for the hit
-  when the pool has room, else taken as placeholders plus a hot lease (NONE);
-- imports of a connector that loads every group (P/D, shared storage): when
-  the pool is tight, the sparse-MLA pages of the import land in the host pool
-  (placeholders, host pages allocated for them, a hot lease: NONE) and the
-  connector writes them there (kv_import.py); else they land on the device;
+  finished request whose blocks a KV connector still sends is held, never a
+  victim; no lease or staging ever takes a block a pending admission will read;
+- prefix hits from the host pool, KV connector hits and imports: decided and
+  held by admission (one record per waiting request), registered with
+  residency when the request is first scheduled;
+- the staging rows a prefill chunk over host pages may need this step, leased
+  for the step and returned when its output comes back;
 - the step plan that crosses to the workers in `SchedulerOutput.hisparse_plan`
   (host->device restores and block-table point updates to apply before the
   forward, copies to run after it, the residency map of every request that is
-  not FULL), and the workers' copy reports from
-  `ModelRunnerOutput.hisparse_copied`.
+  not FULL), and the workers' copy reports (by copy id) from
+  `ModelRunnerOutput.hisparse_copied`;
+- the ownership check (`ownership.py`) over all of these, on demand or, with
+  VLLM_HISPARSE_CHECK_OWNERSHIP=1, after every schedule and every output.
 
 Workers that do not execute plans report nothing; their step's copies are
 cancelled and planning stops, so no page ever leaves the device without a
@@ -34,21 +32,23 @@ queues.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.config.hisparse import hisparse_active, host_pool_pages, plans_executable, sparse_mla_page_bytes
 from vllm.logger import init_logger
+from vllm.v1.hisparse.admission import Admissions, PendingAdmission
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.kv_import import ImportKind, import_kind
+from vllm.v1.hisparse.ownership import check_ownership
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
     WORKER_COUNTERS,
     HiSparseStepPlan,
     HostPageUpdate,
     HotLeaseUpdate,
-    PageCopy,
     PageRestore,
     StepStaging,
 )
@@ -56,13 +56,17 @@ from vllm.v1.hisparse.residency import RequestState, ResidencyManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+# Set to 1 to run the ownership check after every schedule() and every model output
+# (tests and debugging: it walks every block of the pool).
+CHECK_OWNERSHIP_ENV = "VLLM_HISPARSE_CHECK_OWNERSHIP"
+
 
 class HiSparseScheduling:
     """Hybrid HiSparse's scheduler-side state for one Scheduler."""
@@ -71,6 +75,7 @@ class HiSparseScheduling:
         vllm_config = scheduler.vllm_config
         config = vllm_config.attention_config.hisparse_config
         assert config is not None and config.device_buffer_size is not None
+        self.scheduler = scheduler
         self.kv_cache_manager = scheduler.kv_cache_manager
         groups = self.kv_cache_manager.kv_cache_config.kv_cache_groups
         self.mla_group_ids = hisparse_managed_group_ids(groups)
@@ -81,8 +86,9 @@ class HiSparseScheduling:
                 f"{[list(g.layer_names)[:2] for g in groups]}"
             )
         self.block_size = groups[self.mla_group_ids[0]].kv_cache_spec.block_size
-        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids)
-        self.null_block_id = self.kv_cache_manager.block_pool.null_block.block_id
+        self.blocks = KVCacheBlockAccess(self.kv_cache_manager, self.mla_group_ids, self.other_group_ids)
+        self.blocks.use_fence_of(scheduler)
+        self.null_block_id = self.blocks.null_block_id
         num_host_pages = host_pool_pages(vllm_config)
         # Bytes of one page (all sparse-MLA layers) and of one layer's row, one replica.
         # Copies to the host go once into each node's pool; every rank reads back into
@@ -109,32 +115,35 @@ class HiSparseScheduling:
         # may add to those pages before the forward. Cleared when the plan is attached.
         self._frozen: set[str] = set()
         # Staging blocks leased for this step's chunks (request -> blocks, group-major),
-        # then, per plan, held until the step's output comes back.
+        # until the plan is attached; then each plan's, by step, until its output comes back.
         self._staging: dict[str, list[int]] = {}
+        self._staging_in_flight: dict[int, list[int]] = {}
         # Chunks fitted with staging that then could not be allocated: their next chunk
         # takes no staging (the estimate of a chunk's own blocks missed something).
         self._unplaced: set[str] = set()
+        # Host -> device restores of connector hits allocated this step.
+        self._restores: list[PageRestore] = []
+        self._steps = itertools.count()
         self.staging_rows_leased = 0
         self.chunks_shortened = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
         # Host prefix hits need page-sized hashes (the hash block is the page).
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
         self.issue_plans = True
-        self._in_flight: dict[tuple[str, int], PageCopy] = {}
-        # Host prefix hits found this step, claimed when the request is scheduled.
-        self._pending_hits: dict[str, tuple[dict[int, int], list[int]]] = {}
-        # KV connector hits: host pages found (page index -> host page), then, once
-        # blocks are allocated, the pages restored into them until they are registered.
-        self._connector_hits: dict[str, dict[int, int]] = {}
-        self._restored: dict[str, dict[int, int]] = {}
-        self._restores: list[PageRestore] = []
-        # Imports landing in the host pool (page index -> host page allocated for it),
-        # from the hit until the request's pages are registered; the connector reads
-        # them through `host_landing` when it builds the step's metadata.
         self.import_kind = import_kind(scheduler.connector)
-        self._imports: dict[str, dict[int, int]] = {}
+        self.admissions = Admissions(
+            self.blocks,
+            self.residency,
+            block_size=self.block_size,
+            host_prefix_hits=self.host_prefix_hits,
+            import_kind=self.import_kind,
+            lease_blocks_for=lambda request: self.residency.lease_blocks_for(self._max_tokens(request)),
+            plans_issued=lambda: self.issue_plans,
+            frozen=self._frozen,
+        )
+        self.blocks.guard_with(self.admissions.hit_blocks)
         if self.import_kind is ImportKind.LANDS_ON_HOST:
-            scheduler.connector.host_landing = self.host_landing
+            scheduler.connector.host_landing = self.admissions.host_landing
         elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
             logger.info(
                 "Hybrid HiSparse: %s loads imports into device blocks, as upstream; a connector "
@@ -150,6 +159,7 @@ class HiSparseScheduling:
         self.speculative_steps_with_host_pages = 0
         # Requests whose first step found every page outside the tail in the host pool.
         self.requests_started_none = 0
+        self.check_each_step = os.environ.get(CHECK_OWNERSHIP_ENV, "0") == "1"
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
         if plans_executable():
             # Admission by tail + lease rather than by whole context: relief makes
@@ -168,25 +178,35 @@ class HiSparseScheduling:
     # -- hooks called by the scheduler and the KV cache manager ---------------
 
     def relieve_pressure(self, request: Request, num_blocks: int, new_computed_blocks: Any = ()) -> bool:
-        """Free `num_blocks` by demotion before the scheduler preempts; True if it did."""
-        # Blocks the request is about to take from the prefix cache must stay put:
-        # they are already counted as allocations if they sit in the free queue.
-        protected = {b.block_id for group in new_computed_blocks for b in group}
-        freed = self.residency.relieve_pressure(num_blocks, protected_blocks=protected, frozen=self._frozen)
-        if freed >= num_blocks:
+        """Free `num_blocks` by demotion before the scheduler preempts; True if that many are free now."""
+        protected = self.admissions.hit_block_ids()
+        protected.update(b.block_id for group in new_computed_blocks for b in group)
+        free_before = self.blocks.num_free_blocks()
+        self.residency.relieve_pressure(num_blocks, protected_blocks=protected, frozen=self._frozen)
+        if self.blocks.num_free_blocks() - free_before >= num_blocks:
             self.residency.counters.preemptions_avoided += 1
             return True
         return False
 
+    def _relieve(self, num_blocks: int) -> None:
+        """Relief for this step's own needs (a chunk, its staging), sparing pending hits."""
+        self.residency.relieve_pressure(
+            num_blocks, protected_blocks=self.admissions.hit_block_ids(), frozen=self._frozen
+        )
+
     def defer_preemption(self, request: Request) -> bool:
-        """True when copies about to run will make room: wait a step instead of preempting.
+        """True when copies or frees about to complete will make room: wait a step instead of
+        preempting.
 
         Relief marks resident pages for copy-then-free when no page is durable on
         the host yet; their copies run after this step, so preempting now would
-        throw away work the next step can keep. The wait is bounded (see
-        `ResidencyManager.defer_preemption`).
+        throw away work the next step can keep. Likewise for blocks demoted while a
+        step was in flight, which return once it is processed (upstream's fence).
+        The wait is bounded (see `ResidencyManager.defer_preemption`).
         """
-        if not self.issue_plans or not self.residency.defer_preemption():
+        if not self.issue_plans:
+            return False
+        if not self.residency.defer_preemption(frees_pending=bool(self.blocks.deferred_references())):
             return False
         self.residency.counters.preemptions_avoided += 1
         return True
@@ -216,7 +236,7 @@ class HiSparseScheduling:
 
         short = own_blocks(num_new_tokens) - self.blocks.num_free_blocks()
         if short > 0:
-            self.residency.relieve_pressure(short, frozen=self._frozen)
+            self._relieve(short)
         self._frozen.add(request.request_id)
         host_rows = self._host_pages(request.request_id) * self.block_size
 
@@ -231,7 +251,7 @@ class HiSparseScheduling:
             return min(num_new_tokens, max(1, self.hot_rows // self.index_topk))
         short = needed(num_new_tokens) - self.blocks.num_free_blocks()
         if short > 0:
-            self.residency.relieve_pressure(short, frozen=self._frozen)
+            self._relieve(short)
         free = self.blocks.num_free_blocks()
         if needed(num_new_tokens) > free:
             # The longest chunk that fits; hot rows / top-K tokens need no staging at all.
@@ -253,10 +273,9 @@ class HiSparseScheduling:
         return -(-max(rows, 0) // self.block_size) * len(self.mla_group_ids)
 
     def _host_pages(self, request_id: str) -> int:
-        """HOST pages the request has, or takes with the host hit it is about to be scheduled with."""
+        """HOST pages the request has, or takes with the admission it is about to be scheduled with."""
         req = self.residency.requests.get(request_id)
-        pending = self._pending_hits.get(request_id)
-        return (req.num_host_pages if req is not None else 0) + (len(pending[0]) if pending else 0)
+        return (req.num_host_pages if req is not None else 0) + self.admissions.num_host_pages(request_id)
 
     def _return_staging(self, request_id: str) -> None:
         blocks = self._staging.pop(request_id, None)
@@ -266,64 +285,12 @@ class HiSparseScheduling:
     def extend_prefix_hit(
         self, request: Request, blocks: KVCacheBlocks, num_tokens: int
     ) -> tuple[KVCacheBlocks, int]:
-        """Extend a device prefix hit with pages the host pool still holds.
+        """A waiting request's device prefix hit: guarded, and extended from the host pool."""
+        return self.admissions.extend_prefix_hit(request, blocks, num_tokens)
 
-        Page by page past the device hit: the indexer blocks must still be cached
-        on the device (the indexer scores every token); the sparse-MLA page is
-        taken from the device prefix cache when every group still has it, else
-        from the host pool as a null placeholder. The first page neither holds
-        ends the hit; with an EAGLE/MTP drafter the hit then drops its last page,
-        as upstream's does. Host pages cost the request a hot lease, taken here.
-        """
-        self._return_pending_lease(request.request_id)
-        if not self.host_prefix_hits or num_tokens % self.block_size:
-            return blocks, num_tokens
-        block_pool = self.kv_cache_manager.block_pool
-        start = num_tokens // self.block_size
-        max_pages = (request.num_tokens - 1) // self.block_size
-        mla_ids, other_ids = list(self.mla_group_ids), list(self.other_group_ids)
-        pages: list[tuple[list | None, list]] = []  # (sparse-MLA blocks or None if host, others)
-        host_pages: dict[int, int] = {}
-        for position in range(start, max_pages):
-            block_hash = request.block_hashes[position]
-            other = block_pool.get_cached_block(block_hash, other_ids)
-            if other is None:
-                break  # the indexer K cache of this page is gone: recompute from here
-            mla = block_pool.get_cached_block(block_hash, mla_ids)
-            if mla is None:
-                host_page = self.residency.host_pool.lookup(block_hash)
-                if host_page is None:
-                    break
-                host_pages[position] = host_page
-            pages.append((mla, other))
-        if pages and self.kv_cache_manager.use_eagle:
-            # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
-            # the hidden states it drafts from (the device hit already dropped one).
-            pages.pop()
-            host_pages.pop(start + len(pages), None)
-        if host_pages:
-            hit = [b for group in blocks.blocks for b in group]
-            lease = self._lease_keeping(
-                request, hit + [b for mla, other in pages for b in (mla or []) + other]
-            )
-            if lease:
-                self._pending_hits[request.request_id] = (host_pages, lease)
-            else:
-                host_pages = {}
-        if not host_pages:
-            # Without host pages only the pages every group still caches count (with a
-            # drafter, the device hit's dropped page can be one).
-            pages = list(itertools.takewhile(lambda page: page[0] is not None, pages))
-            if not pages:
-                return blocks, num_tokens
-        extended = [list(group) for group in blocks.blocks]
-        for mla, other in pages:
-            for i, g in enumerate(mla_ids):
-                extended[g].append(mla[i] if mla is not None else block_pool.null_block)
-            for i, g in enumerate(other_ids):
-                extended[g].append(other[i])
-        new_blocks = self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
-        return new_blocks, num_tokens + len(pages) * self.block_size
+    def guard_prefix_hit(self, request: Request, blocks: KVCacheBlocks) -> None:
+        """A waiting request's device prefix hit that a connector reconciles: guarded."""
+        self.admissions.guard_prefix_hit(request, blocks)
 
     def cap_external_hit(
         self,
@@ -332,181 +299,18 @@ class HiSparseScheduling:
         num_local_tokens: int,
         num_external_tokens: int,
     ) -> tuple[KVCacheBlocks, int]:
-        """A KV connector's hit past the local one, as HiSparse can serve it.
+        """A KV connector's hit past the local one, as HiSparse can serve it (admission.py)."""
+        return self.admissions.cap_external_hit(
+            request, new_computed_blocks, num_local_tokens, num_external_tokens, executable=plans_executable()
+        )
 
-        The connector loads only the groups HiSparse does not manage, so every page
-        of its hit needs its sparse-MLA content from the host pool: the hit stands
-        if the host pool holds every one of its pages, else nothing is loaded (the
-        connector's hits are whole chunks, which a shorter hit could split). Then,
-        in hybrid mode with room in the pool (the restored pages take at most half
-        of the free blocks), the pages are restored into the blocks allocated for
-        the hit (`restore_external_pages`); otherwise they stay in the host pool:
-        the local hit's blocks gain null placeholders for them in the sparse-MLA
-        groups, and the request takes a hot lease and starts NONE, as on a host
-        prefix hit. Returns the (possibly extended) local hit blocks and the hit.
-        """
-        request_id = request.request_id
-        self._connector_hits.pop(request_id, None)
-        self._drop_import(request_id)
-        if num_external_tokens <= 0 or not plans_executable() or self.import_kind is ImportKind.DEVICE:
-            return new_computed_blocks, num_external_tokens  # the connector loads every group
-        if self.import_kind is ImportKind.LANDS_ON_HOST:
-            return self._land_import(request, new_computed_blocks, num_local_tokens, num_external_tokens)
-        if not (self.issue_plans and self.host_prefix_hits) or num_local_tokens % self.block_size:
-            return new_computed_blocks, 0
-        end = num_local_tokens + num_external_tokens
-        host_pages: dict[int, int] = {}
-        for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
-            if position >= len(request.block_hashes):
-                return new_computed_blocks, 0  # a partial page: its sparse-MLA rows were never copied
-            host_page = self.residency.host_pool.lookup(request.block_hashes[position])
-            if host_page is None:
-                return new_computed_blocks, 0
-            host_pages[position] = host_page
-        pending = self._pending_hits.get(request_id)
-        restore_blocks = len(host_pages) * len(self.mla_group_ids)
-        if (
-            pending is None
-            and self.residency.mode == "hybrid"
-            and restore_blocks <= self.blocks.num_free_blocks() // 2
-        ):
-            self._connector_hits[request_id] = host_pages
-            return new_computed_blocks, num_external_tokens
-        # The page holding the last prompt token is written again (a full-prompt hit
-        # recomputes that token): it is restored, never a placeholder.
-        last_page = (request.num_tokens - 1) // self.block_size
-        on_host = {p: h for p, h in host_pages.items() if p < last_page}
-        if len(on_host) < len(host_pages):
-            self._connector_hits[request_id] = {p: h for p, h in host_pages.items() if p >= last_page}
-        if not on_host:
-            return new_computed_blocks, num_external_tokens
-        if pending is None:
-            lease = self._lease_keeping(request, [b for group in new_computed_blocks.blocks for b in group])
-            if not lease:
-                self._connector_hits.pop(request_id, None)
-                return new_computed_blocks, 0
-            pending = ({}, lease)
-            self._pending_hits[request_id] = pending
-        pending[0].update(on_host)
-        return self._with_host_placeholders(new_computed_blocks, len(on_host)), num_external_tokens
-
-    def _with_host_placeholders(self, blocks: KVCacheBlocks, num_pages: int) -> KVCacheBlocks:
-        """`blocks` whose sparse-MLA groups go on with null placeholders for `num_pages` HOST pages."""
-        null_block = self.kv_cache_manager.block_pool.null_block
-        extended = [list(group) for group in blocks.blocks]
-        for g in self.mla_group_ids:
-            extended[g].extend([null_block] * num_pages)
-        return self.kv_cache_manager.create_kv_cache_blocks(tuple(extended))
-
-    def _land_import(
-        self,
-        request: Request,
-        new_computed_blocks: KVCacheBlocks,
-        num_local_tokens: int,
-        num_external_tokens: int,
-    ) -> tuple[KVCacheBlocks, int]:
-        """An import of a connector that loads every group: where its sparse-MLA pages land.
-
-        On the device, as upstream, when the pool is not tight: in hybrid mode, when
-        the pages take at most half of the free blocks (the rule of a connector hit's
-        restore). Otherwise in the host pool: host pages are allocated for the whole
-        pages of the import before the page of the last prompt token (that one and a
-        partial page are written by the step's own compute, on the device), the local
-        hit's sparse-MLA groups gain null placeholders for them, and the request takes a
-        hot lease and starts NONE. The connector writes those pages into the host pool
-        (`host_landing`); the indexer's pages land on the device. Without room in the
-        host pool or for a lease, the import lands on the device.
-        """
-        request_id = request.request_id
-        if not self.issue_plans or num_local_tokens % self.block_size:
-            return new_computed_blocks, num_external_tokens
-        end = min(num_local_tokens + num_external_tokens, request.num_tokens - 1) // self.block_size
-        positions = list(range(num_local_tokens // self.block_size, end))
-        if not positions:
-            return new_computed_blocks, num_external_tokens
-        pending = self._pending_hits.get(request_id)
-        if (
-            pending is None
-            and self.residency.mode == "hybrid"
-            and len(positions) * len(self.mla_group_ids) <= self.blocks.num_free_blocks() // 2
-        ):
-            return new_computed_blocks, num_external_tokens
-        host_pool = self.residency.host_pool
-        # The local hit's host pages are not referenced yet: hold them while pages are
-        # allocated, so no allocation evicts them.
-        held = list(pending[0].values()) if pending is not None else []
-        for page in held:
-            host_pool.retain(page)
-        try:
-            if host_pool.num_available < len(positions):
-                return new_computed_blocks, num_external_tokens
-            if pending is None:
-                hit = [b for group in new_computed_blocks.blocks for b in group]
-                lease = self._lease_keeping(request, hit)
-                if not lease:
-                    return new_computed_blocks, num_external_tokens
-                pending = ({}, lease)
-                self._pending_hits[request_id] = pending
-            landed = {position: host_pool.allocate() for position in positions}
-        finally:
-            for page in held:
-                host_pool.release(page)
-        self._imports[request_id] = landed
-        pending[0].update(landed)
-        return self._with_host_placeholders(new_computed_blocks, len(landed)), num_external_tokens
+    def after_allocation(self, request: Request, num_external_tokens: int) -> None:
+        """A waiting request's blocks are allocated: restore its connector hit's pages."""
+        self._restores.extend(self.admissions.after_allocation(request, num_external_tokens))
 
     def host_landing(self, request_id: str) -> dict[int, int]:
         """The pages of `request_id`'s import that land in the host pool: page index -> host page."""
-        return self._imports.get(request_id, {})
-
-    def _drop_import(self, request_id: str) -> None:
-        """An import not taken after all: its host pages go back (its lease goes with the hit)."""
-        landed = self._imports.pop(request_id, None)
-        if not landed:
-            return
-        pending = self._pending_hits.get(request_id)
-        for position, page in landed.items():
-            self.residency.host_pool.release(page)
-            if pending is not None:
-                pending[0].pop(position, None)
-
-    def _max_tokens(self, request: Request) -> int:
-        """The most tokens the request's context can reach: what its hot lease must cover."""
-        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-
-    def _lease_keeping(self, request: Request, hit_blocks: list[KVCacheBlock]) -> list[int]:
-        """A hot lease for `request`, about to take `hit_blocks` from the prefix cache.
-
-        Taking the lease may evict cached free blocks: the hit's are pinned meanwhile.
-        When the pool is short of a lease, other requests' BOTH pages are demoted for
-        it, as for any allocation under pressure.
-        """
-        block_pool = self.kv_cache_manager.block_pool
-        block_pool.touch(hit_blocks)
-        num_blocks = self.residency.lease_blocks_for(self._max_tokens(request))
-        lease = self.residency.lease(num_blocks)
-        if not lease:
-            # Under pressure, demote other requests' BOTH pages for the lease: without it the
-            # request recomputes its whole prefix, which needs at least as many blocks.
-            short = num_blocks - self.blocks.num_free_blocks()
-            protected = {b.block_id for b in hit_blocks}
-            if self.residency.relieve_pressure(short, protected_blocks=protected, frozen=self._frozen) > 0:
-                lease = self.residency.lease(num_blocks)
-        block_pool.free_blocks(hit_blocks)
-        return lease
-
-    def restore_external_pages(self, request: Request, num_external_tokens: int) -> None:
-        """Blocks are allocated for the connector's hit: restore its sparse-MLA pages into them."""
-        host_pages = self._connector_hits.pop(request.request_id, None)
-        if not host_pages or num_external_tokens <= 0:
-            return
-        tables = [m.req_to_blocks[request.request_id] for m in self.blocks.managers]
-        restored = self._restored.setdefault(request.request_id, {})
-        for position, host_page in host_pages.items():
-            self.residency.reserve_restore(request.request_id, host_page)
-            restored[position] = host_page
-            block_ids = tuple(t[position].block_id for t in tables)
-            self._restores.append(PageRestore(request.request_id, position, block_ids, host_page))
+        return self.admissions.host_landing(request_id)
 
     def hold(self, request: Request) -> None:
         """The request finished and the KV connector keeps its blocks to send them (a P/D
@@ -517,31 +321,27 @@ class HiSparseScheduling:
 
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""
-        self._return_pending_lease(request.request_id)
+        self.admissions.release(request.request_id)
         self._return_staging(request.request_id)
         self._frozen.discard(request.request_id)
         self._unplaced.discard(request.request_id)
-        self._connector_hits.pop(request.request_id, None)
-        self._restored.pop(request.request_id, None)
         self.residency.finish(request.request_id)
+
+    def has_pending_work(self) -> bool:
+        """Copies in flight whose reports only later steps collect: the engine keeps stepping."""
+        return self.residency.num_copies_in_flight() > 0
 
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
-        for request_id in list(self._pending_hits):
-            if request_id in scheduler_output.num_scheduled_tokens:
-                continue  # registered below
-            # A hit the scheduler took holds its blocks until the request is scheduled: while
-            # a KV connector loads, and after the load until the request gets its turn.
-            if not self.blocks.managers[0].req_to_blocks.get(request_id):
-                self._return_pending_lease(request_id)  # the scheduler did not take the hit
         for request_id in scheduler_output.num_scheduled_tokens:
             self._sync_request(scheduler.requests[request_id])
-        copies: list[PageCopy] = []
+        # A record whose request was not allocated goes back; one waiting for a
+        # connector's load keeps everything until the request is scheduled.
+        self.admissions.end_step()
+        copies = []
         if self.issue_plans:
             # Also in a step that schedules no token: the workers run every step's plan.
             copies = self.residency.plan_copies(frozen=self._frozen)
-            for copy in copies:
-                self._in_flight[(copy.request_id, copy.page_index)] = copy
         for state, n in self.residency.requests_by_state().items():
             self.request_steps[state] += n
         for request_id in scheduler_output.scheduled_spec_decode_tokens:
@@ -552,20 +352,25 @@ class HiSparseScheduling:
         restores, self._restores = self._restores, []
         new_host_pages, new_leases = self.residency.drain_changes()
         k = len(self.mla_group_ids)
-        staging = []
+        step = next(self._steps)
+        staging, held = [], []
         for request_id in list(self._staging):
             if request_id not in scheduler_output.num_scheduled_tokens:
                 self._return_staging(request_id)  # the chunk was not scheduled after all
                 self._unplaced.add(request_id)
                 continue
             blocks = self._staging.pop(request_id)
+            held += blocks
             staging.append(StepStaging(request_id, len(blocks) // k * self.block_size,
                                        tuple(tuple(blocks[g::k]) for g in range(k))))
+        if held:
+            self._staging_in_flight[step] = held
         self._unplaced.difference_update(scheduler_output.num_scheduled_tokens)
         self._frozen.clear()
         self.residency.end_schedule()
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
+            step=step,
             mla_group_ids=self.mla_group_ids,
             copies=tuple(copies),
             block_table_updates=tuple(updates),
@@ -574,6 +379,8 @@ class HiSparseScheduling:
             leases=tuple(self._lease_update(rid, blocks) for rid, blocks in new_leases),
             staging=tuple(staging),
         )
+        if self.check_each_step:
+            self.check_ownership()
 
     def _lease_update(self, request_id: str, blocks: list[int]) -> HotLeaseUpdate:
         """A lease as the workers map it: every group's blocks, padded to the default lease
@@ -589,44 +396,51 @@ class HiSparseScheduling:
     def on_model_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """The step is done: return its staging rows; mark the copies the workers report durable.
 
-        Workers report a copy once it is known to be done, which on CUDA can be a
-        step or more after the step that planned it: until then it stays in
-        flight. Workers that report nothing do not run HiSparse: every copy in
+        Workers report a copy, by its id, once it is known to be done, which on CUDA
+        can be a step or more after the step that planned it: until then it stays
+        in flight. Workers that report nothing do not run HiSparse: every copy in
         flight is cancelled and planning stops.
         """
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
         if plan is not None:
-            for entry in plan.staging:
-                self.blocks.give_back([b for group in entry.block_ids for b in group])
+            staging = self._staging_in_flight.pop(plan.step, None)
+            if staging:
+                self.blocks.give_back(staging)
         counts = self.worker_counts
         for name, value in (getattr(output, "hisparse_counters", None) or {}).items():
             if name in counts:
                 counts[name] = max(counts[name], value) if name.startswith("max_") else counts[name] + value
         reported = getattr(output, "hisparse_copied", None)
-        if plan is None or (reported is None and not plan.copies):
-            return
-        if reported is None:
-            failed = list(self._in_flight.values())
-            self._in_flight.clear()
-            self.residency.cancel_copies(failed)
-        else:
-            done = [copy for key in map(tuple, reported) if (copy := self._in_flight.pop(key, None))]
-            self.residency.complete_copies(done)
-        if reported is None and self.issue_plans:
-            self.issue_plans = False
-            logger.warning(
-                "Hybrid HiSparse: the workers did not execute the step's residency plan; "
-                "no further pages are copied or demoted and the sparse-MLA KV cache stays "
-                "resident on the device."
-            )
+        if plan is not None and (reported is not None or plan.copies):
+            if reported is None:
+                self.residency.cancel_all_copies()
+                if self.issue_plans:
+                    self.issue_plans = False
+                    logger.warning(
+                        "Hybrid HiSparse: the workers did not execute the step's residency plan; "
+                        "no further pages are copied or demoted and the sparse-MLA KV cache stays "
+                        "resident on the device."
+                    )
+            else:
+                self.residency.complete_copies(reported)
+        if self.check_each_step:
+            self.check_ownership()
+
+    def check_ownership(self) -> None:
+        """Assert that every device block, host page and copy has exactly its owners (ownership.py)."""
+        check_ownership(self.blocks, self.residency, self.admissions, self.staging_blocks())
 
     # -- state ---------------------------------------------------------------
 
-    def _return_pending_lease(self, request_id: str) -> None:
-        self._drop_import(request_id)
-        pending = self._pending_hits.pop(request_id, None)
-        if pending is not None:
-            self.residency.allocator.give_back(pending[1])
+    def _max_tokens(self, request: Request) -> int:
+        """The most tokens the request's context can reach: what its hot lease must cover."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
+    def staging_blocks(self) -> list[int]:
+        """Staging blocks held now: this step's chunks' and every plan's still in flight."""
+        held = [b for blocks in self._staging.values() for b in blocks]
+        held += [b for blocks in self._staging_in_flight.values() for b in blocks]
+        return held
 
     def _sync_request(self, request: Request) -> None:
         """Register the request's pages the KV cache manager added since the last step."""
@@ -639,35 +453,33 @@ class HiSparseScheduling:
                 request_id, request.block_hashes if self.enable_caching else (), self._max_tokens(request)
             )
         req = residency.requests[request_id]
-        tables = [m.req_to_blocks.get(request_id, []) for m in self.blocks.managers]
-        pending = self._pending_hits.pop(request_id, None)
-        host_pages, lease = pending if pending is not None else ({}, [])
-        imported = self._imports.pop(request_id, {})
-        restored = self._restored.pop(request_id, {})
-        for position in range(len(req.pages), len(tables[0])):
-            block_ids = tuple(t[position].block_id for t in tables)
-            if position in host_pages:
+        # What its admission holds passes to residency, page by page in table order.
+        record = self.admissions.take(request_id) or PendingAdmission(request_id)
+        lease = record.lease
+        for position in range(len(req.pages), self.blocks.num_table_pages(request_id)):
+            if position in record.host_pages:
                 residency.append_host_pages(
-                    request_id, [host_pages.pop(position)], lease, imported=position in imported
+                    request_id, [record.host_pages.pop(position)], lease, imported=position in record.landed
                 )
                 lease = []
-            elif position in restored:
-                residency.append_restored_page(request_id, block_ids, restored.pop(position))
+                continue
+            block_ids = self.blocks.page_block_ids(request_id, position)
+            if position in record.restores:
+                residency.append_restored_page(request_id, block_ids, record.restores.pop(position))
             else:
-                # A null placeholder always comes with its host page (pending or restored).
+                # A null placeholder always comes with its host page (the admission's).
                 assert self.null_block_id not in block_ids, f"{request_id}: page {position} has no copy"
                 residency.append_pages(request_id, [block_ids])
-        assert not host_pages, f"{request_id}: host pages {host_pages} beyond its block table"
-        assert not restored, f"{request_id}: restored pages {restored} beyond its block table"
-        if lease:  # the scheduler did not take the hit after all
+        assert not record.host_pages, f"{request_id}: host pages {record.host_pages} beyond its block table"
+        assert not record.restores, f"{request_id}: restored pages {record.restores} beyond its block table"
+        if lease:  # no HOST page after all
             residency.allocator.give_back(lease)
         if new_request and req.state is RequestState.NONE:
             self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
         if self.enable_caching:
-            cached = min(m.num_cached_block.get(request_id, 0) for m in self.blocks.managers)
-            stable = min(stable, cached * self.block_size)
+            stable = min(stable, self.blocks.num_cached_pages(request_id) * self.block_size)
         residency.advance(request_id, stable)
 
     # -- observation -----------------------------------------------------------
@@ -693,12 +505,12 @@ class HiSparseScheduling:
             # Pages of a KV connector's import that landed in the host pool.
             pages_imported_to_host=counters.pages_imported_to_host,
             # Pages of KV connector hits restored from the host pool.
-            pages_restored=counters.pages_restored,
+            pages_restored=self.admissions.counters.pages_restored,
             preemptions_avoided=counters.preemptions_avoided,
             victims_skipped=counters.victims_skipped,
             deferrals_exhausted=counters.deferrals_exhausted,
             hot_lease_blocks=sum(len(req.hot_blocks) for req in self.residency.requests.values()),
-            copies_in_flight=len(self._in_flight),
+            copies_in_flight=self.residency.num_copies_in_flight(),
             # Rows leased for one step to stage misses beyond hot buffers, and chunks
             # shortened because the pool could not spare them.
             staging_rows_leased=self.staging_rows_leased,
@@ -713,7 +525,7 @@ class HiSparseScheduling:
             bytes_to_host=counters.pages_copied_to_host * self._page_bytes
             * max(self.worker_counts["max_host_pools"], 1),
             bytes_from_host=self._readers * (
-                counters.pages_restored * self._page_bytes
+                self.admissions.counters.pages_restored * self._page_bytes
                 + self.worker_counts["rows_loaded"] * self._row_bytes
             ),
         )

@@ -61,7 +61,7 @@ logger = init_logger(__name__)
 class _StepReport:
     """What one step leaves to report: its copies and counters, done once `event` has passed."""
 
-    copies: list[tuple[str, int]]
+    copies: list[int]  # copy ids
     device_counts: torch.Tensor  # DEVICE_COUNTERS then the error bits, host memory
     host_counts: dict[str, int]
     event: Any = None  # a CUDA event recorded after the step's copies; None on CPU
@@ -81,7 +81,7 @@ class StepReports:
         self._pending: deque[_StepReport] = deque()
 
     def submit(
-        self, copies: list[tuple[str, int]], device_counts: torch.Tensor, error: torch.Tensor,
+        self, copies: list[int], device_counts: torch.Tensor, error: torch.Tensor,
         host_counts: dict[str, int],
     ) -> None:
         values = torch.cat([device_counts, error.reshape(1)])
@@ -94,14 +94,14 @@ class StepReports:
         event.record()
         self._pending.append(_StepReport(copies, pinned, host_counts, event))
 
-    def collect(self) -> tuple[list[tuple[str, int]], dict[str, int], int]:
-        """(durable copies, counters, error bits) of every step done since the last call.
+    def collect(self) -> tuple[list[int], dict[str, int], int]:
+        """(ids of durable copies, counters, error bits) of every step done since the last call.
 
         Counters add up over the steps collected, except the maxima (`max_*`).
         `device_reads` counts the reads of device-produced values this makes: one
         per collected step, each after its work is done.
         """
-        copies: list[tuple[str, int]] = []
+        copies: list[int] = []
         counters = dict.fromkeys(WORKER_COUNTERS, 0)
         error = 0
         while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
@@ -239,7 +239,7 @@ class HiSparseWorker:
             # The node's other ranks hold the same latent rows: one copy serves them all.
             self._copy_pages(plan, plan.copies, to_host=True, error=error)
         host_counts["max_host_pools"] = self.num_pools
-        copies = [(c.request_id, c.page_index) for c in plan.copies]
+        copies = [c.copy_id for c in plan.copies]
         self.reports.submit(copies, device_counts, error, host_counts)
         copied, counters, error_bits = self.reports.collect()
         check_resolution_error(error_bits)

@@ -1,0 +1,296 @@
+"""Every device block, host page and copy has exactly one owner, in vLLM's real Scheduler.
+
+Multi-turn sessions under KV pressure, the traffic Hybrid HiSparse exists for, through
+the scheduler harness (six-layer tiny GLM-5: six sparse-MLA groups and one indexer
+group, a page is seven blocks). The harness runs HiSparse's ownership check after every
+step (`vllm/v1/hisparse/ownership.py`); the tests here add what each scenario must show:
+- a waiting request's device prefix hit never becomes another request's hot lease or
+  staging while relief makes room for it;
+- a host page a pending admission will read is retained from its lookup, so an import
+  landing in the same step cannot take it over;
+- a copy reported late, after its request was preempted and resumed, reaches its own
+  copy: nothing leaks and nothing is credited to the wrong copy;
+- frees follow upstream's fence when a KV consumer runs with a batch in flight;
+- the ownership check itself fails on each kind of double ownership (negative controls).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import tiny_models
+from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import COMPLETE_MARKER
+from vllm.v1.hisparse.ownership import OwnershipError
+
+BLOCK = 64
+MLA_GROUPS = 6
+SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", index_topk=32, num_hidden_layers=6)
+PAGE_GIB = MLA_GROUPS * BLOCK * 576 * 2 / (1 << 30)  # bf16 latent rows of six layers
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_glm5_dir(SIX_LAYERS))
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 3000 + 10 for i in range(length)]
+
+
+def held_blocks(h: SchedulerHarness) -> dict[int, str]:
+    """Block -> the lease or staging set that holds it, across every holder HiSparse has."""
+    hisparse = h.hisparse
+    held = {b: f"lease of {rid}" for rid, req in hisparse.residency.requests.items() for b in req.hot_blocks}
+    for record in hisparse.admissions.records():
+        held.update((b, f"pending lease of {record.request_id}") for b in record.lease)
+    held.update((b, "staging") for b in hisparse.staging_blocks())
+    return held
+
+
+# ------------------------------------------------------------------ finding 1: device hits
+
+
+@pytest.mark.parametrize("num_blocks", [110, 111, 113, 114, 116, 118])
+def test_a_second_turns_device_prefix_hit_never_becomes_a_victims_hot_lease(model, num_blocks):
+    """R's first turn finishes; V decodes; R's second turn arrives with a 320-token device
+    prefix hit whose blocks sit unreferenced in the free queue, and allocating for it needs
+    relief, whose first demotion of V takes V a hot lease from the same free queue."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=num_blocks, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=128,
+    )  # fmt: skip
+    first_turn = prompt(1, 320)
+    h.add_request(first_turn, max_tokens=1, request_id="R1")
+    h.run_until_done()
+    h.add_request(prompt(2, 640), max_tokens=200, request_id="V")
+    for _ in range(8):
+        h.step()
+    h.add_request([*first_turn, 100, *prompt(3, 63)], max_tokens=20, request_id="R2")
+    hit_blocks: set[int] = set()
+    while h.busy():
+        observation = h.step()
+        if "R2" in observation.new_request_cached_tokens:
+            assert observation.new_request_cached_tokens["R2"] == 320, "R2 took its device prefix hit"
+            hit_blocks = {b for group in h.block_ids("R2") for b in group[:5]}
+        if hit_blocks and "R2" in h.scheduler.requests:
+            shared = {b: held for b, held in held_blocks(h).items() if b in hit_blocks}
+            assert not shared, f"R2's prefix blocks are also {shared}"
+    assert hit_blocks, "R2 was admitted"
+    stats = h.hisparse.stats()
+    assert stats["pages_demoted"] > 0 and stats["hot_leases"] > 0, "relief demoted V for R2"
+    assert all(req.num_output_tokens == req.max_tokens for req in h.requests.values())
+
+
+# -------------------------------------------------------------------- finding 2: host hits
+
+
+def example_consumer(model: str, storage, memory_mib: int, host_pages: float, **kwargs) -> SchedulerHarness:
+    transfer = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(storage)},
+    )  # fmt: skip
+    return SchedulerHarness.create(
+        model=model, memory_bytes=memory_mib << 20,
+        attention_config={"hisparse_config": {"host_pool_gib": host_pages * PAGE_GIB}},
+        max_model_len=1024, max_num_batched_tokens=1024, kv_transfer_config=transfer, **kwargs,
+    )  # fmt: skip
+
+
+def store(h: SchedulerHarness, tokens: list[int]) -> None:
+    """Mark `tokens`' stored prefix complete in the connector's storage, as a producer would."""
+    folder = h.scheduler.connector.prompt_folder(tokens, [])
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, COMPLETE_MARKER), "w").close()
+
+
+def test_a_pending_host_hit_is_not_taken_by_an_import_landing_in_the_same_step(model, tmp_path):
+    """A decode instance (the deploy guide's shared-storage P/D recipe) under pressure: A's
+    first turn lands in the host pool; A's second turn finds those pages there (its
+    indexer blocks are still cached on the device), and in the same schedule() B's
+    import lands in the host pool, whose only allocatable pages are A's cached ones."""
+    h = example_consumer(model, tmp_path, memory_mib=8, host_pages=20.5)
+    pool = h.hisparse.residency.host_pool
+    assert pool.num_pages == 20
+    h.add_request(prompt(0, 500), max_tokens=400, request_id="local")
+    while h.requests["local"].num_output_tokens < 2:
+        h.step()
+    first_turn = prompt(1, 400)
+    store(h, first_turn)
+    h.add_request(first_turn, max_tokens=2, request_id="A1")
+    while not h.requests["A1"].is_finished():
+        h.step()
+    assert h.hisparse.stats()["pages_imported_to_host"] == 6
+    # Whatever the pool never handed out is taken and cached under other hashes, newer
+    # than A's pages: an allocation now evicts A's cached pages first.
+    others = [pool.allocate() for _ in range(pool.num_available - 6)]
+    for i, page in enumerate(others):
+        pool.publish(page, ("another session", i))
+        pool.release(page)
+    store(h, prompt(2, 400))
+    h.add_request([*first_turn, 100, 100, *prompt(3, 60)], max_tokens=4, request_id="A2")
+    h.add_request(prompt(2, 400), max_tokens=4, request_id="B")
+    output = h.schedule()
+    assert {"A2", "B"} <= set(output.num_scheduled_tokens), "both admitted in one schedule()"
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+    h.hisparse.check_ownership()
+    requests = h.hisparse.residency.requests
+    a2 = {p.host_page for p in requests["A2"].pages if p.block_ids is None}
+    b = {p.host_page for p in requests["B"].pages if p.block_ids is None}
+    assert len(a2) == 6 and len(b) == 6, "A2 reuses its first turn from the host, B lands there"
+    assert not a2 & b, f"host pages {sorted(a2 & b)} hold A2's prefix and B's import at once"
+    h.run_until_done()
+    assert pool.num_referenced == 0
+
+
+# ----------------------------------------------------------------- finding 3: late reports
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copies_reported_late_across_preemption_and_resumption_each_reach_their_own_copy(model, seed):
+    """Copy reports arrive two steps late (on CUDA a step or more by design). A request
+    preempted with copies in flight resumes under the same id and plans the same pages
+    again; each late report must reach the copy it belongs to."""
+    rng = random.Random(seed)
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=int(3.5 * (1 << 20)), attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=128, report_delay=2,
+    )  # fmt: skip
+    for i in range(5):
+        h.add_request(prompt(seed * 10 + i, rng.randint(300, 450)), max_tokens=rng.randint(100, 160))
+    h.run_until_done(max_steps=5000)
+    assert h.total_preemptions > 0, "requests were preempted and resumed"
+    assert all(req.num_output_tokens == req.max_tokens for req in h.requests.values())
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1, "every device block returns"
+    residency = h.hisparse.residency
+    assert residency.num_copies_in_flight() == 0 and not residency.held_blocks()
+    assert residency.host_pool.num_referenced == 0, "every host page returns"
+
+
+def test_a_report_for_a_copy_not_in_flight_stops_the_engine(model):
+    h = SchedulerHarness.create(model=model, memory_bytes=20 << 20, attention_config=HISPARSE)
+    h.add_request(prompt(0, 300), max_tokens=4)
+    output = h.schedule()
+    (copy, *_) = output.hisparse_plan.copies
+    runner_output = h.model_runner_output(output)
+    runner_output.hisparse_copied = [copy.copy_id, copy.copy_id]
+    with pytest.raises(RuntimeError, match=f"reported copy {copy.copy_id}, which is not in flight"):
+        h.scheduler.update_from_output(output, runner_output)
+
+
+# -------------------------------------------------------------------- finding 4: the fence
+
+
+def test_blocks_freed_while_a_step_is_in_flight_wait_for_upstreams_fence(model, tmp_path):
+    """A KV consumer with asynchronous scheduling: upstream defers frees while a batch is in
+    flight, since a connector's load into a reallocated block is not ordered against that
+    step. HiSparse's demotions and returns follow the same fence."""
+    from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
+
+    rng = random.Random(5)
+    h = example_consumer(
+        model, tmp_path, memory_mib=8, host_pages=2000, async_scheduling=True,
+        report_delay=lambda: rng.randint(0, 3),
+    )  # fmt: skip
+    scheduler = h.scheduler
+    assert scheduler.defer_block_free and h.batch_queue_size == 2
+    fenced: list[tuple[int, list[int]]] = []
+    free = KVCacheBlockAccess._free
+
+    def recorded_free(self, blocks):
+        deferred = self.frees_are_deferred()
+        last = free(self, blocks)
+        if deferred:
+            fenced.append((scheduler.sched_step_seq, [b.block_id for b in blocks if b.ref_cnt == 1]))
+        return last
+
+    KVCacheBlockAccess._free = recorded_free
+    try:
+        prompts = [prompt(10 + i, 300 + 40 * i) for i in range(5)]
+        for tokens in prompts[::2]:
+            store(h, tokens)
+        for _turn in range(2):
+            for tokens in prompts:
+                h.add_request(tokens, max_tokens=20)
+            while h.busy():
+                h.step()
+                for fence, blocks in fenced:
+                    if scheduler.processed_step_seq < fence:
+                        free_queue = set(h.hisparse.blocks.free_queue_ids())
+                        assert not free_queue & set(blocks), "a fenced block is free before its step ended"
+            prompts = [tokens + [100] * 20 + prompt(90 + i, 50) for i, tokens in enumerate(prompts)]
+    finally:
+        KVCacheBlockAccess._free = free
+    assert fenced, "HiSparse freed blocks while a step was in flight"
+    assert h.hisparse.stats()["pages_demoted"] > 0
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+
+
+# -------------------------------------------------------------------- negative controls
+
+
+def pressured(model: str) -> SchedulerHarness:
+    """Eight requests in a pool that holds three: demoted pages, hot leases, copies in flight."""
+    h = SchedulerHarness.create(model=model, memory_bytes=20 << 20, attention_config=HISPARSE, report_delay=1)
+    for i in range(8):
+        h.add_request(prompt(i, 512), max_tokens=64)
+    for _ in range(60):
+        h.step()
+        if h.hisparse.stats()["hot_leases"] and h.hisparse.residency.num_copies_in_flight():
+            return h
+    raise AssertionError("no step had both a hot lease and a copy in flight")
+
+
+def test_the_ownership_check_sees_a_table_block_that_is_also_leased(model):
+    h = pressured(model)
+    req = next(r for r in h.hisparse.residency.requests.values() if r.hot_blocks)
+    victim = next(r for r in h.hisparse.residency.requests.values() if r is not req and r.pages)
+    stolen = victim.pages[-1].block_ids[0]
+    h.hisparse.blocks.give_back([req.hot_blocks[0]])
+    h.hisparse.blocks.hold([stolen])  # the lease now reads another request's table block
+    req.hot_blocks[0] = stolen
+    with pytest.raises(OwnershipError, match=f"block {stolen} is in the block table of .* and in a lease"):
+        h.hisparse.check_ownership()
+
+
+def test_the_ownership_check_sees_a_pending_hit_block_in_a_lease(model):
+    h = pressured(model)
+    req = next(r for r in h.hisparse.residency.requests.values() if r.hot_blocks)
+    record = h.hisparse.admissions.begin(h.requests["req-7"], h.kv_cache_manager.empty_kv_cache_blocks)
+    record.hit = [h.block_pool.blocks[req.hot_blocks[0]]]
+    with pytest.raises(OwnershipError, match="leased or staged and a pending admission's prefix hit"):
+        h.hisparse.check_ownership()
+
+
+def test_the_ownership_check_sees_a_host_page_read_without_a_reference(model):
+    h = pressured(model)
+    pool = h.hisparse.residency.host_pool
+    requests = h.hisparse.residency.requests.values()
+    page = next(p.host_page for r in requests for p in r.pages if p.state.value == "both")
+    record = h.hisparse.admissions.begin(h.requests["req-7"], h.kv_cache_manager.empty_kv_cache_blocks)
+    record.host_pages[0] = page  # read by the admission, never retained
+    with pytest.raises(OwnershipError, match=f"host page {page}: .* references"):
+        h.hisparse.check_ownership()
+    pool.retain(page)
+    h.hisparse.check_ownership()
+
+
+def test_the_ownership_check_sees_a_copy_whose_host_page_has_a_second_holder(model):
+    h = pressured(model)
+    copy = h.hisparse.residency.copies_in_flight()[0]
+    h.hisparse.residency.host_pool.retain(copy.host_page)
+    written = f"host page {copy.host_page} is being written and has 2 references"
+    with pytest.raises(OwnershipError, match=written):
+        h.hisparse.check_ownership()
+
+
+def test_the_ownership_check_sees_a_reference_nobody_holds(model):
+    h = pressured(model)
+    block = next(b for b in h.block_pool.blocks if b.ref_cnt == 1 and not b.is_null)
+    h.block_pool.touch([block])
+    with pytest.raises(OwnershipError, match=f"block {block.block_id}: 2 references, 1 holders"):
+        h.hisparse.check_ownership()

@@ -1,0 +1,391 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hybrid HiSparse admission: what a waiting request will use before it runs.
+
+Owns one record per waiting request (`PendingAdmission`) holding everything
+the request takes from the moment its prefix is looked up until its pages are
+registered with residency:
+- its device prefix-hit blocks, guarded from the lookup until the request's own
+  allocation takes them: no hot lease or staging lease taken meanwhile (for any
+  request, by pressure relief too) may pop one from the free queue, and relief
+  demotes no page that holds one. Guarding takes no reference, so a request
+  that is not admitted leaves the prefix cache's LRU order as it was;
+- host pool pages it will read or that a connector writes for it, each retained
+  from the lookup (or allocated, for an import landing in the host pool), so no
+  allocation can evict or reuse them while the request waits: pages taken as
+  null placeholders (a host prefix hit, a KV connector hit kept on the host, an
+  import's landing) and pages restored into its newly allocated blocks (a KV
+  connector hit with room on the device);
+- the hot lease its HOST pages need.
+
+A record takes its references when it is made and gives them back in exactly
+one place (`release`): when the request is not scheduled after all, is
+aborted, preempted or fails. When the request is scheduled, the record hands
+its references over to residency (`take`), which then owns them.
+
+It never decides residency or touches tensors; it reaches the KV cache manager
+only through `KVCacheBlockAccess`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator, Set
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.v1.hisparse.kv_import import ImportKind
+from vllm.v1.hisparse.plan import BlockId, HostPage, PageIndex, PageRestore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
+    from vllm.v1.hisparse.residency import ResidencyManager
+    from vllm.v1.request import Request
+
+
+@dataclass
+class PendingAdmission:
+    """Everything one waiting request holds before its pages are registered."""
+
+    request_id: str
+    # Device prefix-hit blocks (no reference taken), guarded until the request's blocks
+    # are allocated.
+    hit: list[KVCacheBlock] = field(default_factory=list)
+    # Pages taken as null placeholders: page index -> host page, one reference each.
+    host_pages: dict[PageIndex, HostPage] = field(default_factory=dict)
+    # Of those, the pages a KV connector writes (an import landing in the host pool).
+    landed: set[PageIndex] = field(default_factory=set)
+    # Pages restored into the request's newly allocated blocks: page index -> host page,
+    # one reference each.
+    restores: dict[PageIndex, HostPage] = field(default_factory=dict)
+    # The hot lease the HOST pages need, one reference per block.
+    lease: list[BlockId] = field(default_factory=list)
+    # The request's blocks are allocated (its table holds the hit, restores are planned): the record
+    # waits for the request's first scheduled step, possibly after a connector's load.
+    allocated: bool = False
+
+
+@dataclass
+class AdmissionCounters:
+    """Cumulative counts, for metrics."""
+
+    # Pages of KV connector hits restored from the host pool.
+    pages_restored: int = 0
+
+
+class Admissions:
+    """The pending admissions of one scheduler, and the hit-time decisions that make them."""
+
+    def __init__(
+        self,
+        blocks: KVCacheBlockAccess,
+        residency: ResidencyManager,
+        *,
+        block_size: int,
+        host_prefix_hits: bool,
+        import_kind: ImportKind,
+        lease_blocks_for: Callable[[Request], int],
+        plans_issued: Callable[[], bool],
+        frozen: Set[str],
+    ) -> None:
+        self.blocks = blocks
+        self.residency = residency
+        self.host_pool = residency.host_pool
+        self.block_size = block_size
+        self.host_prefix_hits = host_prefix_hits
+        self.import_kind = import_kind
+        self._lease_blocks_for = lease_blocks_for
+        self._plans_issued = plans_issued
+        self._frozen = frozen
+        self._records: dict[str, PendingAdmission] = {}
+        self.counters = AdmissionCounters()
+
+    # -- the record's life ---------------------------------------------------------
+
+    def begin(self, request: Request, hit: KVCacheBlocks) -> PendingAdmission:
+        """A fresh record for `request`, guarding its device prefix hit (an earlier record of
+        the same request, from a step that did not admit it, is released first)."""
+        self.release(request.request_id)
+        record = PendingAdmission(request.request_id)
+        record.hit = [b for group in hit.blocks for b in group if not b.is_null]
+        self._records[request.request_id] = record
+        return record
+
+    def after_allocation(self, request: Request, num_external_tokens: int) -> list[PageRestore]:
+        """The request's blocks are allocated (its table holds the hit now); the restores to plan."""
+        record = self._records.get(request.request_id)
+        if record is None:
+            return []
+        record.allocated = True
+        record.hit = []
+        if num_external_tokens <= 0:
+            self._release_host_pages(record.restores)
+            record.restores = {}
+        rid = request.request_id
+        restores = [
+            PageRestore(rid, position, self.blocks.page_block_ids(rid, position), page)
+            for position, page in record.restores.items()
+        ]
+        self.counters.pages_restored += len(restores)
+        return restores
+
+    def take(self, request_id: str) -> PendingAdmission | None:
+        """The record of a request scheduled for the first time since its allocation; its
+        references pass to the caller, which registers them with residency."""
+        record = self._records.get(request_id)
+        if record is None or not record.allocated:
+            return None
+        return self._records.pop(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Give back everything the request's record holds (the one place that does)."""
+        record = self._records.pop(request_id, None)
+        if record is None:
+            return
+        self._release_host_pages(record.host_pages)
+        self._release_host_pages(record.restores)
+        self.residency.allocator.give_back(record.lease)
+
+    def end_step(self) -> None:
+        """schedule() is over: a record whose request was not allocated goes back."""
+        for request_id in [rid for rid, record in self._records.items() if not record.allocated]:
+            self.release(request_id)
+
+    def _release_host_pages(self, pages: dict[PageIndex, HostPage]) -> None:
+        for page in pages.values():
+            self.host_pool.release(page)
+
+    # -- what other parts read ---------------------------------------------------------
+
+    def num_host_pages(self, request_id: str) -> int:
+        record = self._records.get(request_id)
+        return len(record.host_pages) if record is not None else 0
+
+    def host_landing(self, request_id: str) -> dict[int, int]:
+        """The pages of `request_id`'s import that land in the host pool: page index -> host page."""
+        record = self._records.get(request_id)
+        if record is None:
+            return {}
+        return {position: record.host_pages[position] for position in sorted(record.landed)}
+
+    def hit_blocks(self) -> Iterator[KVCacheBlock]:
+        """The device prefix-hit blocks of every pending admission (what `take` must not pop)."""
+        for record in self._records.values():
+            yield from record.hit
+
+    def hit_block_ids(self) -> set[int]:
+        return {b.block_id for b in self.hit_blocks()}
+
+    def records(self) -> Iterator[PendingAdmission]:
+        return iter(self._records.values())
+
+    def host_references(self) -> Counter[int]:
+        """Host page -> references the pending admissions hold."""
+        return Counter(
+            page
+            for record in self._records.values()
+            for page in itertools.chain(record.host_pages.values(), record.restores.values())
+        )
+
+    # -- hit-time decisions ------------------------------------------------------------
+
+    def _take_lease(self, request: Request) -> list[BlockId]:
+        """A hot lease for `request`'s HOST pages. Under pressure, other requests' BOTH pages
+        are demoted for it (without it the request recomputes its whole prefix, which
+        needs at least as many blocks); no page holding a pending hit's block is demoted."""
+        num_blocks = self._lease_blocks_for(request)
+        lease = self.residency.lease(num_blocks)
+        if not lease:
+            short = num_blocks - self.blocks.num_free_blocks()
+            protected = self.hit_block_ids()
+            if self.residency.relieve_pressure(short, protected_blocks=protected, frozen=self._frozen) > 0:
+                lease = self.residency.lease(num_blocks)
+        return [BlockId(b) for b in lease]
+
+    def guard_prefix_hit(self, request: Request, blocks: KVCacheBlocks) -> None:
+        """A device prefix hit HiSparse does not extend (a connector that reconciles hits
+        across groups itself): guarded all the same until the request is allocated."""
+        self.begin(request, blocks)
+
+    def extend_prefix_hit(
+        self, request: Request, blocks: KVCacheBlocks, num_tokens: int
+    ) -> tuple[KVCacheBlocks, int]:
+        """Guard a device prefix hit, and extend it with pages the host pool still holds.
+
+        Page by page past the device hit: the indexer blocks must still be cached
+        on the device (the indexer scores every token); the sparse-MLA page is
+        taken from the device prefix cache when every group still has it, else
+        from the host pool as a null placeholder. The first page neither holds
+        ends the hit; with an EAGLE/MTP drafter the hit then drops its last page,
+        as upstream's does. Host pages cost the request a hot lease, taken here.
+        """
+        record = self.begin(request, blocks)
+        if not self.host_prefix_hits or num_tokens % self.block_size:
+            return blocks, num_tokens
+        mla_ids, other_ids = self.blocks.mla_group_ids, self.blocks.other_group_ids
+        start = num_tokens // self.block_size
+        max_pages = (request.num_tokens - 1) // self.block_size
+        pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
+        host_pages: dict[PageIndex, HostPage] = {}
+        for position in range(start, max_pages):
+            block_hash = request.block_hashes[position]
+            other = self.blocks.cached_page(block_hash, other_ids)
+            if other is None:
+                break  # the indexer K cache of this page is gone: recompute from here
+            mla = self.blocks.cached_page(block_hash, mla_ids)
+            if mla is None:
+                host_page = self.host_pool.retain_cached(block_hash)
+                if host_page is None:
+                    break
+                host_pages[PageIndex(position)] = HostPage(host_page)
+            pages.append((mla, other))
+        if pages and self.blocks.use_eagle:
+            # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
+            # the hidden states it drafts from (the device hit already dropped one).
+            pages.pop()
+            dropped = host_pages.pop(PageIndex(start + len(pages)), None)
+            if dropped is not None:
+                self.host_pool.release(dropped)
+        # The extension's device blocks are guarded with the hit before a lease is taken.
+        record.hit += [b for mla, other in pages for b in (mla or []) + other]
+        if host_pages:
+            record.lease = self._take_lease(request)
+            if not record.lease:
+                self._release_host_pages(host_pages)
+                host_pages = {}
+        if not host_pages:
+            # Without host pages only the pages every group still caches count (with a
+            # drafter, the device hit's dropped page can be one).
+            kept = list(itertools.takewhile(lambda page: page[0] is not None, pages))
+            if len(kept) < len(pages):
+                unused = {b.block_id for mla, other in pages[len(kept):] for b in (mla or []) + other}
+                record.hit = [b for b in record.hit if b.block_id not in unused]
+            pages = kept
+            if not pages:
+                return blocks, num_tokens
+        record.host_pages = host_pages
+        aligned = []
+        for mla, other in pages:
+            page: list[KVCacheBlock] = [self.blocks.null_block] * (len(mla_ids) + len(other_ids))
+            for i, g in enumerate(mla_ids):
+                page[g] = mla[i] if mla is not None else self.blocks.null_block
+            for i, g in enumerate(other_ids):
+                page[g] = other[i]
+            aligned.append(page)
+        return self.blocks.with_pages(blocks, aligned), num_tokens + len(pages) * self.block_size
+
+    def cap_external_hit(
+        self,
+        request: Request,
+        new_computed_blocks: KVCacheBlocks,
+        num_local_tokens: int,
+        num_external_tokens: int,
+        *,
+        executable: bool,
+    ) -> tuple[KVCacheBlocks, int]:
+        """A KV connector's hit past the local one, as HiSparse can serve it.
+
+        The OffloadingConnector loads only the groups HiSparse does not manage, so
+        every page of its hit needs its sparse-MLA content from the host pool: the
+        hit stands if the host pool holds every one of its pages (each retained),
+        else nothing is loaded (the connector's hits are whole chunks, which a
+        shorter hit could split). Then, in hybrid mode with room in the pool (the
+        restored pages take at most half of the free blocks), the pages are
+        restored into the blocks allocated for the hit (`after_allocation`);
+        otherwise they stay in the host pool: the local hit's blocks gain null
+        placeholders for them in the sparse-MLA groups, and the request takes a hot
+        lease and starts NONE, as on a host prefix hit. A connector that loads
+        every group lands its import (`_land_import`). `executable`: whether the
+        workers run plans at all. Returns the (possibly extended) local hit blocks
+        and the hit.
+        """
+        record = self._records.get(request.request_id)
+        if record is None:
+            record = self.begin(request, new_computed_blocks)
+        if num_external_tokens <= 0 or not executable or self.import_kind is ImportKind.DEVICE:
+            return new_computed_blocks, num_external_tokens  # the connector loads every group
+        if self.import_kind is ImportKind.LANDS_ON_HOST:
+            return self._land_import(
+                request, record, new_computed_blocks, num_local_tokens, num_external_tokens
+            )
+        if not (self._plans_issued() and self.host_prefix_hits) or num_local_tokens % self.block_size:
+            return new_computed_blocks, 0
+        end = num_local_tokens + num_external_tokens
+        hit: dict[PageIndex, HostPage] = {}
+        for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
+            host_page = None
+            if position < len(request.block_hashes):  # else a partial page: never copied
+                host_page = self.host_pool.retain_cached(request.block_hashes[position])
+            if host_page is None:
+                self._release_host_pages(hit)
+                return new_computed_blocks, 0
+            hit[PageIndex(position)] = HostPage(host_page)
+        restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
+        if (
+            not record.host_pages
+            and self.residency.mode == "hybrid"
+            and restore_blocks <= self.blocks.num_free_blocks() // 2
+        ):
+            record.restores = hit
+            return new_computed_blocks, num_external_tokens
+        # The page holding the last prompt token is written again (a full-prompt hit
+        # recomputes that token): it is restored, never a placeholder.
+        last_page = (request.num_tokens - 1) // self.block_size
+        on_host = {p: h for p, h in hit.items() if p < last_page}
+        record.restores = {p: h for p, h in hit.items() if p >= last_page}
+        if not on_host:
+            return new_computed_blocks, num_external_tokens
+        if not record.lease:
+            record.lease = self._take_lease(request)
+            if not record.lease:
+                self._release_host_pages(hit)
+                record.restores = {}
+                return new_computed_blocks, 0
+        record.host_pages.update(on_host)
+        return self.blocks.with_host_placeholders(new_computed_blocks, len(on_host)), num_external_tokens
+
+    def _land_import(
+        self,
+        request: Request,
+        record: PendingAdmission,
+        new_computed_blocks: KVCacheBlocks,
+        num_local_tokens: int,
+        num_external_tokens: int,
+    ) -> tuple[KVCacheBlocks, int]:
+        """An import of a connector that loads every group: where its sparse-MLA pages land.
+
+        On the device, as upstream, when the pool is not tight: in hybrid mode, when
+        the pages take at most half of the free blocks (the rule of a connector hit's
+        restore). Otherwise in the host pool: host pages are allocated for the whole
+        pages of the import before the page of the last prompt token (that one and a
+        partial page are written by the step's own compute, on the device), the local
+        hit's sparse-MLA groups gain null placeholders for them, and the request takes a
+        hot lease and starts NONE. The connector writes those pages into the host pool
+        (`host_landing`); the indexer's pages land on the device. Without room in the
+        host pool or for a lease, the import lands on the device. No allocation here
+        can evict a page another pending admission will read: those are retained.
+        """
+        if not self._plans_issued() or num_local_tokens % self.block_size:
+            return new_computed_blocks, num_external_tokens
+        end = min(num_local_tokens + num_external_tokens, request.num_tokens - 1) // self.block_size
+        positions = [PageIndex(p) for p in range(num_local_tokens // self.block_size, end)]
+        if not positions:
+            return new_computed_blocks, num_external_tokens
+        if (
+            not record.host_pages
+            and self.residency.mode == "hybrid"
+            and len(positions) * len(self.blocks.mla_group_ids) <= self.blocks.num_free_blocks() // 2
+        ):
+            return new_computed_blocks, num_external_tokens
+        if self.host_pool.num_available < len(positions):
+            return new_computed_blocks, num_external_tokens
+        if not record.lease:
+            record.lease = self._take_lease(request)
+            if not record.lease:
+                return new_computed_blocks, num_external_tokens
+        for position in positions:
+            record.host_pages[position] = HostPage(self.host_pool.allocate())
+            record.landed.add(position)
+        return self.blocks.with_host_placeholders(new_computed_blocks, len(positions)), num_external_tokens

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ownership invariant of Hybrid HiSparse's scheduler side, checked across all holders.
+
+Reference counts say how many hold a block; this module checks who. It owns
+the statement of the invariant and its check, run by tests after every step
+(and by a running engine with VLLM_HISPARSE_CHECK_OWNERSHIP=1):
+
+- every reference to a device block is accounted for by exactly one holder each:
+  a request's block table (a prefix shared between tables is read only), a hot
+  lease (of a running request or of a pending admission), a staging set (this
+  step's or a plan's still in flight), upstream's deferred-free queue, or a copy
+  in flight of an ended request;
+- a lease or staging block has exactly one reference: it is in no block table,
+  no other lease or staging set, and is no pending admission's prefix-hit block;
+- the null block and vLLM's free queue keep their upstream meaning: the free
+  queue holds exactly the blocks nobody references;
+- a request's block table agrees with its residency: a HOST page is the null
+  block in every sparse-MLA group, a resident page its own blocks;
+- a copy in flight pins its source (its page in the request's table, or held
+  blocks once the request ended) and its destination host page until reported;
+- a host page has at most one writer (a copy in flight, or an import landing),
+  which holds it alone and unindexed; a page a pending admission will read is
+  retained by that admission; every host pool reference has a holder.
+
+It reads every holder through its owner's methods and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.hisparse.admission import Admissions
+    from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
+    from vllm.v1.hisparse.residency import ResidencyManager
+
+
+class OwnershipError(AssertionError):
+    """A device block, host page or copy has other owners than the invariant allows."""
+
+
+def ownership_violations(
+    blocks: KVCacheBlockAccess, residency: ResidencyManager, admissions: Admissions, staging: Iterable[int]
+) -> list[str]:
+    """Every violation of the invariant in the module docstring, as readable lines.
+    `staging`: the staging blocks held now (this step's and every plan's in flight)."""
+    problems: list[str] = []
+
+    tables: Counter[int] = Counter()
+    table_owners: dict[int, set[str]] = defaultdict(set)
+    for request_id, _, _, block in blocks.table_entries():
+        tables[block.block_id] += 1
+        table_owners[block.block_id].add(request_id)
+    records = list(admissions.records())
+    exclusive: Counter[int] = Counter(residency.leased_blocks())
+    exclusive.update(b for record in records for b in record.lease)
+    exclusive.update(staging)
+    hits = {b.block_id for record in records for b in record.hit}
+    deferred = blocks.deferred_references()
+    held = Counter(residency.held_blocks())
+
+    for block_id, holders in exclusive.items():
+        if holders > 1:
+            problems.append(f"block {block_id} is in {holders} leases or staging sets")
+        if block_id in tables:
+            problems.append(
+                f"block {block_id} is in the block table of {sorted(table_owners[block_id])} "
+                "and in a lease or staging set"
+            )
+        if block_id in hits:
+            problems.append(f"block {block_id} is leased or staged and a pending admission's prefix hit")
+        if block_id in deferred or block_id in held:
+            problems.append(f"block {block_id} is leased or staged and also held or being freed")
+    free_queue = blocks.free_queue_ids()
+    if len(free_queue) != len(set(free_queue)):
+        problems.append("a block is in the free queue twice")
+    unreferenced = set()
+    for block in blocks.pool_blocks():
+        if block.is_null:
+            continue
+        b = block.block_id
+        expected = tables[b] + exclusive[b] + deferred[b] + held[b]
+        if block.ref_cnt != expected:
+            problems.append(
+                f"block {b}: {block.ref_cnt} references, {expected} holders (tables {tables[b]}, "
+                f"leases/staging {exclusive[b]}, deferred frees {deferred[b]}, "
+                f"copies of ended requests {held[b]})"
+            )
+        if block.ref_cnt == 0:
+            unreferenced.add(b)
+    if set(free_queue) != unreferenced:
+        problems.append(
+            f"the free queue holds {sorted(set(free_queue) ^ unreferenced)[:8]} wrongly: it must "
+            "hold exactly the unreferenced blocks"
+        )
+
+    null = blocks.null_block_id
+    for request_id, req in residency.requests.items():
+        for index, page in enumerate(req.pages):
+            in_table = blocks.page_block_ids(request_id, index)
+            wanted = page.block_ids if page.block_ids is not None else (null,) * len(in_table)
+            if tuple(in_table) != tuple(wanted):
+                problems.append(
+                    f"{request_id} page {index} ({page.state.value}): table holds {list(in_table)}, "
+                    f"residency {list(wanted)}"
+                )
+
+    writers: Counter[int] = Counter(copy.host_page for copy in residency.copies_in_flight())
+    writers.update(record.host_pages[p] for record in records for p in record.landed)
+    host_pool = residency.host_pool
+    for page, n in writers.items():
+        if n > 1:
+            problems.append(f"host page {page} has {n} writers")
+        if host_pool.refs(page) != 1 or host_pool.is_indexed(page):
+            problems.append(
+                f"host page {page} is being written and has {host_pool.refs(page)} references"
+                + (", indexed by a block hash" if host_pool.is_indexed(page) else "")
+            )
+    try:
+        residency.check(other_host_references=admissions.host_references())
+    except AssertionError as error:
+        problems.append(f"residency: {error}")
+    return problems
+
+
+def check_ownership(
+    blocks: KVCacheBlockAccess, residency: ResidencyManager, admissions: Admissions, staging: Iterable[int]
+) -> None:
+    """Raise `OwnershipError` naming what is wrong, if anything is."""
+    problems = ownership_violations(blocks, residency, admissions, staging)
+    if problems:
+        shown = "\n  ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise OwnershipError(f"Hybrid HiSparse ownership violated:\n  {shown}{more}")
