@@ -215,15 +215,29 @@ def test_where_plans_do_not_run_hisparse_stays_off_and_the_connector_keeps_every
 
 def test_a_connector_hit_keeps_its_host_pages_until_its_request_is_scheduled(model, monkeypatch):
     """Six agent sessions, three turns each, on the 110-block pool with both announcement
-    flags: some connector hits finish loading in a step that cannot schedule their
-    request yet. Their sparse-MLA pages must stay host placeholders until the request
-    runs; registering the placeholders' null block as the pages' device copy sent the
-    resolver to rows that exist nowhere."""
+    flags: a connector hit that finishes loading in a step that cannot schedule its
+    request (the pool refuses the request's first allocation after its load once, as a
+    full pool would) must keep its sparse-MLA pages as host placeholders, and its
+    admission everything it holds, until the request runs; registering the
+    placeholders' null block as the pages' device copy sent the resolver to rows that
+    exist nowhere."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.hisparse.scheduling import HiSparseScheduling
     from vllm.v1.request import RequestStatus
 
     waited: list[str] = []
     finish_step = HiSparseScheduling.finish_step
+    allocate_slots = KVCacheManager.allocate_slots
+    refused: set[str] = set()
+
+    def refused_once_after_a_load(self, request, *args, **kwargs):
+        admissions = self.pressure_relief.__self__.admissions
+        loaded = request.status == RequestStatus.WAITING and request.num_computed_tokens > 0
+        pending = any(r.request_id == request.request_id and r.allocated for r in admissions.records())
+        if loaded and pending and request.request_id not in refused:
+            refused.add(request.request_id)
+            return None
+        return allocate_slots(self, request, *args, **kwargs)
 
     def checked_finish_step(self, scheduler, scheduler_output):
         for record in self.admissions.records():
@@ -235,7 +249,7 @@ def test_a_connector_hit_keeps_its_host_pages_until_its_request_is_scheduled(mod
             if request_id not in scheduler_output.num_scheduled_tokens and not loading:
                 waited.append(request_id)
         finish_step(self, scheduler, scheduler_output)
-        self.residency.check()
+        self.check_ownership()
         null_block = scheduler.kv_cache_manager.block_pool.null_block.block_id
         for req in self.residency.requests.values():
             for i, page in enumerate(req.pages):
@@ -246,6 +260,7 @@ def test_a_connector_hit_keeps_its_host_pages_until_its_request_is_scheduled(mod
     answer = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setattr(HiSparseScheduling, "finish_step", checked_finish_step)
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", refused_once_after_a_load)
     with offloading_connector("TieringOffloadingSpec", label="test-hisparse-waiting-hit") as kv_transfer:
         with running_llm(
             model, kv_transfer_config=kv_transfer, attention_config=hisparse(), **PRESSURE
