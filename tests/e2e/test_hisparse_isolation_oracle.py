@@ -109,3 +109,76 @@ def test_a_second_turns_device_prefix_hit_is_its_own_while_relief_demotes_a_vict
     assert stats["pages_demoted"] > 0 and stats["hot_leases"] > 0, "relief demoted the victim"
     assert outputs["V"] == ref_outputs["V"]
     assert outputs["R2"] == ref_outputs["R2"], "R2 answered from another request's KV"
+
+
+def example_connector(role: str, storage) -> dict:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+    }
+
+
+A1, B = tokens(11, 400), tokens(12, 400)
+
+
+@pytest.fixture(scope="module")
+def storage(model, tmp_path_factory):
+    """A prefill instance (no HiSparse) stored both sessions' prompts, each computed in one chunk."""
+    folder = tmp_path_factory.mktemp("example-connector")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with running_llm(
+            model, dtype="float32", max_num_batched_tokens=4096,
+            kv_transfer_config=example_connector("kv_producer", folder),
+        ) as llm:  # fmt: skip
+            llm.generate([{"prompt_token_ids": p} for p in (A1, B)], greedy(1), use_tqdm=False)
+    return folder
+
+
+def decode_instance_turns(model, storage, **overrides) -> tuple[dict[str, list[int]], dict | None]:
+    """A decode instance: a local session decodes; A's first turn is imported; then A's second
+    turn and B's import arrive together. Every request's tokens, and HiSparse's counters."""
+    outputs: dict[str, list[int]] = {}
+    with running_llm(
+        model, dtype="float32", max_model_len=768, max_num_batched_tokens=1024,
+        kv_transfer_config=example_connector("kv_consumer", storage), **overrides,
+    ) as llm:  # fmt: skip
+        engine = llm.llm_engine
+        engine.add_request("local", {"prompt_token_ids": tokens(10, 450)}, greedy(120))
+        for _ in range(3):
+            engine.step()
+        engine.add_request("A1", {"prompt_token_ids": A1}, greedy(2))
+        while "A1" not in outputs:
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+        second_turn = [*A1, *outputs["A1"], *tokens(13, 62)]
+        engine.add_request("A2", {"prompt_token_ids": second_turn}, greedy(16))
+        engine.add_request("B", {"prompt_token_ids": B}, greedy(16))
+        run_to_completion(engine, outputs)
+        scheduler = engine.engine_core.engine_core.scheduler
+        stats = scheduler.hisparse.stats() if scheduler.hisparse is not None else None
+    return outputs, stats
+
+
+def test_a_decode_instances_pending_host_hit_keeps_its_pages_while_an_import_needs_room(model, storage):
+    """Thirteen host pages: the local session's seven copies and A's six imported pages fill
+    the pool. When A's second turn finds its pages there, B's import in the same step can
+    only land in the host pool by evicting them; retained by A2's admission, they stay
+    A2's, and B lands on the device instead."""
+    pressure = dict(
+        num_gpu_blocks_override=110,
+        attention_config={"hisparse_config": {"host_pool_gib": 13.5 * PAGE_GIB}},
+    )
+    pressed, resident = alike(
+        multiprocessing_off(lambda: decode_instance_turns(model, storage, **pressure)),
+        multiprocessing_off(lambda: decode_instance_turns(model, storage)),
+        same_steps=True,
+    )
+    outputs, stats = pressed
+    ref_outputs, _ = resident
+    assert stats["host_pages_total"] == 13
+    assert stats["pages_imported_to_host"] >= 6, "A's first turn landed in the host pool"
+    assert stats["host_prefix_pages_reused"] == 6, "A's second turn took its first turn from the host pool"
+    assert outputs == ref_outputs
