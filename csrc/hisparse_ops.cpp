@@ -181,7 +181,7 @@ bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 // positions: int32 [T, K]; token_requests: int64 [T]; host_page_table: int64 [R, P];
 // table_rows, staging_slots: int64 [M]; hot_positions, hot_stamps: int64 [M, H];
-// flags: bool [2, T * K]; ints: int64 [5 * T * K + 4] (see resolver.fused_plan_buffers).
+// flags: bool [2, T * K]; ints: int64 [5 * T * K + 4 + M] (see resolver.fused_plan_buffers).
 void check_plan(const at::Tensor& positions, const at::Tensor& token_requests, const at::Tensor& host_page_table,
                 const at::Tensor& table_rows, const at::Tensor& staging_slots, const at::Tensor& hot_positions,
                 const at::Tensor& hot_stamps, int64_t block_size, int64_t max_entries, int64_t hot_pad,
@@ -210,8 +210,9 @@ void check_plan(const at::Tensor& positions, const at::Tensor& token_requests, c
               "hot_pad must be a power of two in [H, ", hisparse::kPlanMaxHotRows, "], got ", hot_pad);
   TORCH_CHECK(flags.scalar_type() == at::kBool && flags.is_contiguous() && flags.numel() == 2 * tokens * topk,
               "flags must be a contiguous bool [2, T * K] tensor");
-  TORCH_CHECK(ints.scalar_type() == at::kLong && ints.is_contiguous() && ints.numel() == 5 * tokens * topk + 4,
-              "ints must be a contiguous int64 [5 * T * K + 4] tensor");
+  TORCH_CHECK(ints.scalar_type() == at::kLong && ints.is_contiguous() &&
+                  ints.numel() == 5 * tokens * topk + 4 + table_rows.numel(),
+              "ints must be a contiguous int64 [5 * T * K + 4 + M] tensor");
   for (const auto* t : {&token_requests, &host_page_table, &table_rows, &staging_slots, &hot_positions, &hot_stamps,
                         &flags, &ints}) {
     check_same_device(*t, positions, "a plan tensor");
@@ -266,6 +267,7 @@ void plan_resolution_cuda(const at::Tensor& positions, const at::Tensor& token_r
   args.load_host_row = value + 4 * entries;
   args.counts = value + 5 * entries;
   args.error = reinterpret_cast<unsigned long long*>(value + 5 * entries + 3);
+  args.request_error = reinterpret_cast<unsigned long long*>(value + 5 * entries + 4);
   C10_CUDA_CHECK(hisparse::launch_plan(args, c10::cuda::getCurrentCUDAStream()));
 }
 

@@ -87,6 +87,7 @@ struct PlanArgs {
   int64_t* load_host_row;
   int64_t* counts;               // [3]: rows loaded, hit, staged (added to)
   unsigned long long* error;     // the step's error word (OR-ed into)
+  unsigned long long* request_error;  // [M]: each request's own error word (OR-ed into)
 };
 
 // Shared scratch of one block: keys [max_entries], held [hot_pad], partial
@@ -326,6 +327,7 @@ HS_HD void plan_request(const PlanArgs& a, int64_t m, const PlanScratch& s) {
         ++staged;
       } else {
         HS_ATOMIC_OR(a.error, kErrorStagingOverflow);
+        HS_ATOMIC_OR(a.request_error + m, kErrorStagingOverflow);
         slot = 0;
         copy = false;
       }

@@ -182,3 +182,49 @@ def test_a_decode_instances_pending_host_hit_keeps_its_pages_while_an_import_nee
     assert stats["pages_imported_to_host"] >= 6, "A's first turn landed in the host pool"
     assert stats["host_prefix_pages_reused"] == 6, "A's second turn took its first turn from the host pool"
     assert outputs == ref_outputs
+
+
+def test_a_step_the_workers_cannot_resolve_for_one_request_fails_that_request_alone(model, monkeypatch):
+    """An injected fault: the first second-turn prefill chunk that needs staging rows goes to
+    the workers without them, so its selections overflow its hot buffer. The workers' plan raises the
+    overflow in that request's own error word: the request ends with an error and returns
+    everything it held; the other requests finish, and the engine serves on."""
+    from vllm.v1.hisparse.scheduling import HiSparseScheduling
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    finish_step = HiSparseScheduling.finish_step
+    faulted: list[str] = []
+    armed: list[bool] = []
+
+    def without_one_staging(self, scheduler, scheduler_output):
+        if armed and not faulted and self._staging:
+            request_id, blocks = next(iter(self._staging.items()))
+            del self._staging[request_id]
+            self.blocks.give_back(blocks)
+            faulted.append(request_id)
+        finish_step(self, scheduler, scheduler_output)
+
+    monkeypatch.setattr(HiSparseScheduling, "finish_step", without_one_staging)
+    rng = random.Random(5)
+    first = [[rng.randrange(3, 512) for _ in range(n)] for n in (300, 360, 420)]
+    with running_llm(
+        model, dtype="float32", num_gpu_blocks_override=110, max_num_batched_tokens=128,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.05}},
+    ) as llm:  # fmt: skip
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        outs = llm.generate([{"prompt_token_ids": p} for p in first], greedy(40), use_tqdm=False)
+        scheduler.kv_cache_manager.reset_prefix_cache()  # second turns start from the host pool
+        armed.append(True)
+        second = [p + list(o.outputs[0].token_ids) + tokens(21, 24) for p, o in zip(first, outs, strict=True)]
+        outs2 = llm.generate([{"prompt_token_ids": p} for p in second], greedy(40), use_tqdm=False)
+        reasons = {o.request_id: o.outputs[0].finish_reason for o in outs2}
+        stats = scheduler.hisparse.stats()
+        assert faulted, "a second turn needed staging rows"
+        failed = faulted[0].split("-")[0]  # the engine's id is the client's plus a suffix
+        assert reasons[failed] == "error", reasons
+        assert [r for rid, r in reasons.items() if rid != failed] == ["length", "length"]
+        assert stats["requests_failed"] == 1 and stats["request_steps_none"] > 0
+        again = llm.generate([{"prompt_token_ids": second[0]}], greedy(8), use_tqdm=False)
+        assert len(again[0].outputs[0].token_ids) == 8, "the engine serves on"
+        assert scheduler.hisparse.residency.host_pool.num_referenced == 0
+        assert not scheduler.hisparse.residency.requests and not list(scheduler.hisparse.admissions.records())

@@ -230,6 +230,36 @@ def test_blocks_freed_while_a_step_is_in_flight_wait_for_upstreams_fence(model, 
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
 
 
+# ---------------------------------------------------------- a fault fails its request alone
+
+
+def test_a_request_whose_pages_cannot_be_registered_fails_alone(model, monkeypatch):
+    """An injected bookkeeping fault in one request's registration: that request ends with
+    an error and returns everything it held; the others finish, and ownership holds."""
+    from vllm.v1.hisparse.residency import ResidencyManager
+    from vllm.v1.request import RequestStatus
+
+    append_pages = ResidencyManager.append_pages
+
+    def broken_for_req_3(self, request_id, pages):
+        if request_id == "req-3" and self.requests[request_id].pages:
+            raise ValueError("injected")
+        return append_pages(self, request_id, pages)
+
+    monkeypatch.setattr(ResidencyManager, "append_pages", broken_for_req_3)
+    h = SchedulerHarness.create(model=model, memory_bytes=20 << 20, attention_config=HISPARSE, report_delay=1)
+    for i in range(8):
+        h.add_request(prompt(i, 512), max_tokens=64)
+    h.run_until_done()
+    assert h.requests["req-3"].status is RequestStatus.FINISHED_ERROR
+    assert h.requests["req-3"].num_output_tokens < 64
+    others = [r for rid, r in h.requests.items() if rid != "req-3"]
+    assert all(r.num_output_tokens == 64 and r.status is RequestStatus.FINISHED_LENGTH_CAPPED for r in others)
+    assert h.hisparse.stats()["requests_failed"] == 1 and h.hisparse.stats()["pages_demoted"] > 0
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+    assert h.hisparse.residency.host_pool.num_referenced == 0
+
+
 # -------------------------------------------------------------------- negative controls
 
 

@@ -162,7 +162,7 @@ def check_resolution(case: ResolutionCase, device: str = "cuda", fused: bool = F
         torch.cuda.synchronize()
     # The fused plan marks each load at its first entry, the operations in sorted order:
     # the per-entry decisions and the set of copies are what must agree.
-    fields = ("on_host", "entry_request", "entry_slot", "counts", "error")
+    fields = ("on_host", "entry_request", "entry_slot", "counts", "error", "request_error")
     if not fused:
         fields += ("load", "load_request", "load_slot", "load_host_row")
     mismatched = [f for f in fields if not torch.equal(getattr(plan, f).cpu(), getattr(ref_plan, f))]

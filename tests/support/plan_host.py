@@ -20,7 +20,7 @@ POINTERS_IN = ("positions", "token_requests", "host_page_table", "table_rows", "
 SIZES = ("num_tokens", "topk", "num_requests", "hot_rows", "table_height", "num_pages", "block_size", "step",
          "max_entries", "hot_pad")
 POINTERS_OUT = ("on_host", "entry_request", "entry_slot", "load", "load_request", "load_slot",
-                "load_host_row", "counts", "error")
+                "load_host_row", "counts", "error", "request_error")
 
 
 class PlanArgs(ctypes.Structure):
@@ -80,6 +80,7 @@ def fused_plan_on_host(
         flags[0].data_ptr(), ints.data_ptr(), ints.data_ptr() + 8 * entries, flags[1].data_ptr(),
         ints.data_ptr() + 16 * entries, ints.data_ptr() + 24 * entries, ints.data_ptr() + 32 * entries,
         ints.data_ptr() + 40 * entries, ints.data_ptr() + 8 * (5 * entries + 3),
+        ints.data_ptr() + 8 * (5 * entries + 4),
     )
     lib.hisparse_plan_host(ctypes.byref(args))
     del keep

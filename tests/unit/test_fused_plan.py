@@ -61,7 +61,7 @@ def test_the_fused_plan_decides_what_the_reference_decides(
     if not len(s.table_rows):
         return
     ref, hot_ref, fused, hot_fused = both_plans(s, build_dir)
-    for field in ("on_host", "entry_request", "entry_slot", "counts", "error"):
+    for field in ("on_host", "entry_request", "entry_slot", "counts", "error", "request_error"):
         assert torch.equal(getattr(fused, field), getattr(ref, field)), field
     assert torch.equal(hot_fused.positions, hot_ref.positions)
     assert torch.equal(hot_fused.stamps, hot_ref.stamps)

@@ -142,6 +142,16 @@ def test_a_step_beyond_hot_and_staging_rows_is_an_error_not_a_wrong_row():
     assert int(plan.rows_loaded) == 3, "the rows that fit are still served"
 
 
+def test_a_staging_overflow_is_the_overflowing_requests_own_error():
+    s = build(3, num_reqs=2, pages=3, hot_slots=2, tokens=1, topk=1, resident_p=0.0, hot_fill=0, staging=1)
+    assert len(s.table_rows) == 2
+    positions = torch.tensor([[1, 6, 7, 9], [2, 5, -1, -1]])  # request 0: 4 rows; request 1: 2
+    plan = plan_resolution(positions, torch.tensor([0, 1]), s.host_page_table, BLOCK, s.hot,
+                           torch.tensor([1, 1]), s.step, s.table_rows)
+    assert int(plan.error) & ERROR_STAGING_OVERFLOW
+    assert plan.request_error.tolist() == [ERROR_STAGING_OVERFLOW, 0], "request 1 fits its hot buffer"
+
+
 def test_resident_entries_keep_the_backends_own_rows_and_touch_nothing():
     s = build(1, num_reqs=3, pages=3, hot_slots=30, tokens=6, topk=5, resident_p=0.5, hot_fill=0)
     resident = s.token_requests < 0

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HOST_COUNTERS
-from vllm.v1.hisparse.worker import StepReports, _StepReport
+from vllm.v1.hisparse.resolution import StepRequestErrors
+from vllm.v1.hisparse.resolver import (
+    ERROR_NOT_IN_HOST_POOL,
+    ERROR_REQUEST_OUT_OF_BOUNDS,
+    ERROR_STAGING_OVERFLOW,
+    ResolverError,
+)
+from vllm.v1.hisparse.worker import StepReports, _StepReport, failed_requests
 
 
 class FakeEvent:
@@ -31,10 +39,24 @@ def test_on_cpu_a_step_reports_its_copies_and_counters_at_once():
     counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64)
     counts[0] = 7
     reports.submit([10], counts, torch.zeros((), dtype=torch.int64), dict.fromkeys(HOST_COUNTERS, 0))
-    copies, counters, error = reports.collect()
+    copies, counters, error, failed = reports.collect()
     assert copies == [10] and counters["rows_loaded"] == 7 and counters["device_reads"] == 1
-    assert error == 0
+    assert error == 0 and failed == {}
     assert reports.collect()[0] == [], "reported once"
+
+
+def test_a_requests_own_error_bits_come_back_by_request_over_the_steps_collected():
+    reports = StepReports(torch.device("cpu"))
+    counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64)
+    hosts = dict.fromkeys(HOST_COUNTERS, 0)
+    step_error = torch.tensor(ERROR_STAGING_OVERFLOW | ERROR_NOT_IN_HOST_POOL)
+    words = torch.tensor([0, ERROR_STAGING_OVERFLOW, 0])
+    reports.submit([], counts, step_error, hosts, StepRequestErrors(["a", "b", "c"], words))
+    words = torch.tensor([ERROR_NOT_IN_HOST_POOL, ERROR_NOT_IN_HOST_POOL])
+    reports.submit([], counts, step_error, hosts, StepRequestErrors(["c", "b"], words))
+    _, _, error, failed = reports.collect()
+    assert error == ERROR_STAGING_OVERFLOW | ERROR_NOT_IN_HOST_POOL
+    assert failed == {"b": ERROR_STAGING_OVERFLOW | ERROR_NOT_IN_HOST_POOL, "c": ERROR_NOT_IN_HOST_POOL}
 
 
 def test_a_step_still_running_on_the_device_holds_back_its_report_and_the_later_ones():
@@ -42,11 +64,21 @@ def test_a_step_still_running_on_the_device_holds_back_its_report_and_the_later_
     first, second = FakeEvent(), FakeEvent()
     reports._pending.extend([report([10], 3, 1, first), report([11], 4, 1, second)])
     second.done = True
-    copies, counters, _ = reports.collect()
+    copies, counters, _, _ = reports.collect()
     assert copies == [] and counters["device_reads"] == 0, "step 1 is not done, so neither is reported"
     first.done = True
-    copies, counters, _ = reports.collect()
+    copies, counters, _, _ = reports.collect()
     assert copies == [10, 11]
     assert counters["rows_loaded"] == 7, "counts add up over the steps collected"
     assert counters["max_resolver_calls_per_layer_step"] == 1, "maxima stay maxima"
     assert counters["device_reads"] == 2
+
+
+def test_a_bit_a_request_raised_fails_it_and_a_bit_nobody_claims_stops_the_engine():
+    assert failed_requests(0, {}) is None
+    reasons = failed_requests(ERROR_STAGING_OVERFLOW, {"b": ERROR_STAGING_OVERFLOW})
+    assert list(reasons) == ["b"] and "hot buffer and staging" in reasons["b"]
+    with pytest.raises(ResolverError, match="request row is outside the step's hot state"):
+        failed_requests(ERROR_STAGING_OVERFLOW | ERROR_REQUEST_OUT_OF_BOUNDS, {"b": ERROR_STAGING_OVERFLOW})
+    with pytest.raises(ResolverError, match="more distinct host rows"):
+        failed_requests(ERROR_STAGING_OVERFLOW, {})

@@ -18,9 +18,9 @@ registered with residency:
 - the hot lease its HOST pages need.
 
 A record takes its references when it is made and gives them back in exactly
-one place (`release`): when the request is not scheduled after all, is
-aborted, preempted or fails. When the request is scheduled, the record hands
-its references over to residency (`take`), which then owns them.
+one place (`give_back`, through `release`): when the request is not scheduled
+after all, is aborted, preempted or fails. When the request is scheduled, the
+record hands its references over to residency (`take`), which then owns them.
 
 It never decides residency or touches tensors; it reaches the KV cache manager
 only through `KVCacheBlockAccess`.
@@ -142,11 +142,16 @@ class Admissions:
     def release(self, request_id: str) -> None:
         """Give back everything the request's record holds (the one place that does)."""
         record = self._records.pop(request_id, None)
-        if record is None:
-            return
+        if record is not None:
+            self.give_back(record)
+
+    def give_back(self, record: PendingAdmission) -> None:
+        """Give back what a record still holds: one of `release`'s, or one `take` handed out
+        whose registration failed part way (what it handed over is residency's)."""
         self._release_host_pages(record.host_pages)
         self._release_host_pages(record.restores)
         self.residency.allocator.give_back(record.lease)
+        record.host_pages, record.restores, record.lease = {}, {}, []
 
     def end_step(self) -> None:
         """schedule() is over: a record whose request was not allocated goes back."""

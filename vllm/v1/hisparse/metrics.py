@@ -123,6 +123,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Preemptions allowed after the most consecutive steps a preemption may wait for relief.",
         "deferrals_exhausted",
     ),
+    "vllm:hisparse_requests_failed": (
+        "Requests ended with an error because HiSparse could not serve them (the engine went on).",
+        "requests_failed",
+    ),
     "vllm:hisparse_bytes_to_host": (
         "Bytes copied device -> host: each page once into each node's host pool.",
         "bytes_to_host",

@@ -13,8 +13,9 @@ Owns, per worker:
   layer of a selection plans the step (`plan_resolution`, once for all query
   tokens of all requests); every layer replays the plan over its own cache,
   copying its misses from the host pool (`apply_resolution`);
-- counters (rows loaded, hot hits) and the error bits, kept as tensors on the
-  cache's device and read once per step by `end_step`;
+- counters (rows loaded, hot hits) and the error bits, the step's and each
+  request's own, kept as tensors on the cache's device and read once per step
+  by the worker's reports (`end_step` hands them over);
 - which resolution, if any, is active in this process (`active_resolution`),
   and the marker a resolving backend carries (`impl_resolves`).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -112,6 +114,8 @@ class HiSparseResolution:
         # Counted on the host: work items per step (they predict GPU cost where time cannot).
         self.counts = dict.fromkeys(HOST_COUNTERS, 0)
         self._resolved_layers: dict[str, int] = {}
+        # The error bits each of the step's requests with HOST pages raised on its own.
+        self._request_errors: torch.Tensor | None = None
 
     # -- the maps, from the plans' deltas -------------------------------------------
 
@@ -195,11 +199,18 @@ class HiSparseResolution:
         self._resolved_layers.clear()
         _active = self
 
-    def end_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
-        """The step's device counters (DEVICE_COUNTERS) and error bits, as tensors, and its
-        host counters; counting restarts. Forwards outside a step read everything in place."""
+    def end_step(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, int], StepRequestErrors]:
+        """The step's device counters (DEVICE_COUNTERS) and error bits, as tensors, its host
+        counters, and the error bits each request raised on its own (the request ids, and a
+        tensor of their words); counting restarts. Forwards outside a step read everything
+        in place."""
         global _active
         _active = None
+        step = self._step_state
+        request_errors = StepRequestErrors(
+            step.request_ids if step is not None and step.request_error is not None else [],
+            step.request_error if step is not None else None,
+        )
         self._step_state = None
         self.counts["worker_steps"] += 1
         if self.counts["attention_calls"]:
@@ -211,7 +222,7 @@ class HiSparseResolution:
         self._device_counts = torch.zeros_like(device)
         self.error = torch.zeros_like(error)
         self.counts = dict.fromkeys(HOST_COUNTERS, 0)
-        return device, error, host
+        return device, error, host, request_errors
 
     def resolves(self, layer_name: str) -> bool:
         """Whether this step's attention of `layer_name` goes through the resolver.
@@ -268,6 +279,9 @@ class HiSparseResolution:
             hot.stamps[step.requests] = active.stamps
             step.plans[owner] = plan
             self.error |= plan.error
+            step.request_error = plan.request_error if step.request_error is None else (
+                step.request_error | plan.request_error
+            )
             self.counts["resolution_plans"] += 1
         group = self.group_of_layer[layer_name]
         leases = self._lease_blocks[group]
@@ -302,6 +316,14 @@ class HiSparseResolution:
         return self._step_state
 
 
+@dataclass
+class StepRequestErrors:
+    """The error bits each request with HOST pages raised on its own in one step."""
+
+    request_ids: list[str]
+    words: torch.Tensor | None  # [len(request_ids)] int64, on the cache's device
+
+
 class _Step:
     """What every layer of one step shares: its requests with HOST pages, their slots, plans."""
 
@@ -322,6 +344,8 @@ class _Step:
         self._slot_rows: dict[tuple[int, int], torch.Tensor] = {}
         self.plans: dict[int, ResolutionPlan] = {}
         self.max_tokens_per_request: int | None = None
+        # [M]: the error bits each request raised on its own in this step's plans.
+        self.request_error: torch.Tensor | None = None
 
     def token_requests(self, batch_rows: torch.Tensor) -> torch.Tensor:
         """Each token's request row in this step's tables, -1 for requests without HOST pages."""

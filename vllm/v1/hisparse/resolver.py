@@ -23,7 +23,8 @@ draft verification, prefill chunks), per request:
   such miss goes to staging slot j, rows the scheduler leased for the step
   (`staging_slots` per request). They never enter the hot state. A step that
   needs more staging slots than it was given is a scheduler accounting error:
-  it is counted in `error`, not silently served.
+  it is counted in `error` and in that request's own `request_error`, not
+  silently served (the worker fails that request alone).
 
 Every miss copies one row from the host pool into its slot's row. Decisions
 depend only on the selections and the hot state at the start of the step, so
@@ -120,6 +121,9 @@ class ResolutionPlan:
     load_host_row: torch.Tensor  # [T * K] int64: row of the layer's host pool
     counts: torch.Tensor  # [3] int64: distinct rows copied, found in a hot buffer, staged
     error: torch.Tensor  # [] int64: ERROR_* bits
+    # [M] int64: the ERROR_* bits each request raised on its own (staging overflow, a row
+    # not in the host pool); bits only `error` has belong to no one request.
+    request_error: torch.Tensor
 
     @property
     def rows_loaded(self) -> torch.Tensor:
@@ -281,6 +285,13 @@ def plan_resolution(
         + not_in_pool.any().long() * ERROR_NOT_IN_HOST_POOL
         + out_of_bounds * ERROR_REQUEST_OUT_OF_BOUNDS
     )
+    # The same bits per request (`request` is 0 where no entry is, and neither flag is set).
+    overflowed = torch.zeros(num_requests, dtype=torch.int64, device=device).scatter_add_(
+        0, request, overflow.long()
+    )
+    missing = torch.zeros_like(overflowed).scatter_add_(0, request, not_in_pool.long())
+    request_error = (overflowed > 0).long() * ERROR_STAGING_OVERFLOW
+    request_error += (missing > 0).long() * ERROR_NOT_IN_HOST_POOL
     return ResolutionPlan(
         on_host=on_host,
         entry_request=entry_request,
@@ -291,6 +302,7 @@ def plan_resolution(
         load_host_row=source_page.clamp(min=0) * block_size + position % block_size,
         counts=torch.stack([(load & ~not_in_pool).sum(), hit.sum(), (staged & ~not_in_pool).sum()]),
         error=error,
+        request_error=request_error,
     )
 
 
@@ -311,13 +323,16 @@ def fused_plan_buffers(
 ) -> tuple[ResolutionPlan, tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
     """A zeroed plan for the fused kernel to fill, its inputs in the dtypes and layout
     the kernel reads, and the two buffers behind the plan that the kernel writes:
-    flags [2, T * K] (on_host, load) and ints [5 * T * K + 4] (entry_request,
-    entry_slot, load_request, load_slot, load_host_row, then counts and error)."""
+    flags [2, T * K] (on_host, load) and ints [5 * T * K + 4 + M] (entry_request,
+    entry_slot, load_request, load_slot, load_host_row, then counts, the step's error
+    word and each request's)."""
     num_tokens, topk = positions.shape
+    num_requests = table_rows.shape[0]
     device = positions.device
-    flags = torch.zeros((2, num_tokens * topk), dtype=torch.bool, device=device)
-    ints = torch.zeros((5 * num_tokens * topk + 4), dtype=torch.int64, device=device)
-    rows = ints[: 5 * num_tokens * topk].view(5, num_tokens * topk)
+    entries = num_tokens * topk
+    flags = torch.zeros((2, entries), dtype=torch.bool, device=device)
+    ints = torch.zeros((5 * entries + 4 + num_requests), dtype=torch.int64, device=device)
+    rows = ints[: 5 * entries].view(5, entries)
     plan = ResolutionPlan(
         on_host=flags[0].view(num_tokens, topk),
         entry_request=rows[0].view(num_tokens, topk),
@@ -326,8 +341,9 @@ def fused_plan_buffers(
         load_request=rows[2],
         load_slot=rows[3],
         load_host_row=rows[4],
-        counts=ints[-4:-1],
-        error=ints[-1],
+        counts=ints[5 * entries : 5 * entries + 3],
+        error=ints[5 * entries + 3],
+        request_error=ints[5 * entries + 4 :],
     )
     inputs = (
         positions.to(torch.int32).contiguous(),
@@ -436,6 +452,16 @@ def resolve_topk_slots(
     )
     check_resolution_error(int(plan.error))
     return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows), plan
+
+
+def describe_resolution_error(error: int) -> str:
+    """What the error bits of one request's own word say, for its error message."""
+    reasons = []
+    if error & ERROR_STAGING_OVERFLOW:
+        reasons.append("its selections needed more distinct host rows than its hot buffer and staging hold")
+    if error & ERROR_NOT_IN_HOST_POOL:
+        reasons.append("a selected position was neither resident nor in the host pool")
+    return "; ".join(reasons) or f"error bits {error:#x}"
 
 
 def check_resolution_error(error: int) -> None:

@@ -160,6 +160,10 @@ class HiSparseScheduling:
         # Requests whose first step found every page outside the tail in the host pool.
         self.requests_started_none = 0
         self.check_each_step = os.environ.get(CHECK_OWNERSHIP_ENV, "0") == "1"
+        # Requests HiSparse could not serve (a worker's error bit of theirs, or their own
+        # bookkeeping): each ends with an error, the others go on. Request -> why.
+        self._failed: dict[str, str] = {}
+        self.requests_failed = 0
         self.kv_cache_manager.pressure_relief = self.relieve_pressure
         if plans_executable():
             # Admission by tail + lease rather than by whole context: relief makes
@@ -334,7 +338,8 @@ class HiSparseScheduling:
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
         for request_id in scheduler_output.num_scheduled_tokens:
-            self._sync_request(scheduler.requests[request_id])
+            if request_id not in self._failed:
+                self._sync_request(scheduler.requests[request_id])
         # A record whose request was not allocated goes back; one waiting for a
         # connector's load keeps everything until the request is scheduled.
         self.admissions.end_step()
@@ -410,6 +415,8 @@ class HiSparseScheduling:
         for name, value in (getattr(output, "hisparse_counters", None) or {}).items():
             if name in counts:
                 counts[name] = max(counts[name], value) if name.startswith("max_") else counts[name] + value
+        for request_id, reason in (getattr(output, "hisparse_failed", None) or {}).items():
+            self._fail(request_id, reason)
         reported = getattr(output, "hisparse_copied", None)
         if plan is not None and (reported is not None or plan.copies):
             if reported is None:
@@ -425,6 +432,28 @@ class HiSparseScheduling:
                 self.residency.complete_copies(reported)
         if self.check_each_step:
             self.check_ownership()
+
+    def failed(self, request_id: str) -> bool:
+        """Whether HiSparse could not serve the request: its step's output is dropped."""
+        return request_id in self._failed
+
+    def take_failed(self) -> set[str]:
+        """The requests to end with an error now (once each)."""
+        failed = set(self._failed)
+        self._failed.clear()
+        return failed
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        """Fail one request, not the engine: it ends with an error when its step's output is
+        processed, and returns everything it holds then."""
+        if request_id in self._failed:
+            return
+        self._failed[request_id] = reason
+        self.requests_failed += 1
+        logger.error(
+            "Hybrid HiSparse could not serve request %s (%s); it ends with an error and returns "
+            "everything it holds, other requests go on", request_id, reason,
+        )
 
     def check_ownership(self) -> None:
         """Assert that every device block, host page and copy has exactly its owners (ownership.py)."""
@@ -452,16 +481,36 @@ class HiSparseScheduling:
             residency.add_request(
                 request_id, request.block_hashes if self.enable_caching else (), self._max_tokens(request)
             )
-        req = residency.requests[request_id]
         # What its admission holds passes to residency, page by page in table order.
         record = self.admissions.take(request_id) or PendingAdmission(request_id)
-        lease = record.lease
+        try:
+            self._register_pages(request_id, record)
+        except (AssertionError, ValueError, KeyError) as error:
+            # This request's bookkeeping alone is wrong: it fails, returning what it holds.
+            self.admissions.give_back(record)
+            residency.finish(request_id)
+            self._fail(request_id, f"its pages could not be registered: {error}")
+            return
+        req = residency.requests[request_id]
+        if new_request and req.state is RequestState.NONE:
+            self.requests_started_none += 1
+        residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
+        stable = min(request.num_computed_tokens, request.num_tokens)
+        if self.enable_caching:
+            stable = min(stable, self.blocks.num_cached_pages(request_id) * self.block_size)
+        residency.advance(request_id, stable)
+
+    def _register_pages(self, request_id: str, record: PendingAdmission) -> None:
+        """The request's new table pages, registered with residency; the admission's host
+        pages, restores and lease pass over as their pages are (the record keeps the rest)."""
+        residency = self.residency
+        req = residency.requests[request_id]
         for position in range(len(req.pages), self.blocks.num_table_pages(request_id)):
             if position in record.host_pages:
+                lease, record.lease = record.lease, []
                 residency.append_host_pages(
                     request_id, [record.host_pages.pop(position)], lease, imported=position in record.landed
                 )
-                lease = []
                 continue
             block_ids = self.blocks.page_block_ids(request_id, position)
             if position in record.restores:
@@ -472,15 +521,9 @@ class HiSparseScheduling:
                 residency.append_pages(request_id, [block_ids])
         assert not record.host_pages, f"{request_id}: host pages {record.host_pages} beyond its block table"
         assert not record.restores, f"{request_id}: restored pages {record.restores} beyond its block table"
-        if lease:  # no HOST page after all
+        if record.lease:  # no HOST page after all
+            lease, record.lease = record.lease, []
             residency.allocator.give_back(lease)
-        if new_request and req.state is RequestState.NONE:
-            self.requests_started_none += 1
-        residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
-        stable = min(request.num_computed_tokens, request.num_tokens)
-        if self.enable_caching:
-            stable = min(stable, self.blocks.num_cached_pages(request_id) * self.block_size)
-        residency.advance(request_id, stable)
 
     # -- observation -----------------------------------------------------------
 
@@ -511,6 +554,8 @@ class HiSparseScheduling:
             deferrals_exhausted=counters.deferrals_exhausted,
             hot_lease_blocks=sum(len(req.hot_blocks) for req in self.residency.requests.values()),
             copies_in_flight=self.residency.num_copies_in_flight(),
+            # Requests ended with an error because HiSparse could not serve them.
+            requests_failed=self.requests_failed,
             # Rows leased for one step to stage misses beyond hot buffers, and chunks
             # shortened because the pool could not spare them.
             staging_rows_leased=self.staging_rows_leased,

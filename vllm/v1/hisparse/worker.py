@@ -18,7 +18,8 @@ Owns, per worker:
 - after the forward, on the node's writing rank only, the step's planned
   device->host page copies for all sparse-MLA layers in one launch; on every
   rank, the reports the scheduler reads from `ModelRunnerOutput`: the copies
-  known durable, the resolver's counters, and its error bits. On CUDA nothing
+  known durable, the resolver's counters, and the requests whose own error
+  bits fail them (an error bit no request claims raises). On CUDA nothing
   here waits for the GPU: a copy is reported, and counters are read, once the
   CUDA event recorded after them has passed, which is a step or more later.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from copy import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,8 +45,13 @@ from vllm.v1.hisparse.ops import require_cuda_kernels
 from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
 from vllm.v1.hisparse.pool_placement import PoolPlacement, pool_placement
-from vllm.v1.hisparse.resolution import HiSparseResolution, impl_resolves, topk_owner_of_layer
-from vllm.v1.hisparse.resolver import check_resolution_error
+from vllm.v1.hisparse.resolution import (
+    HiSparseResolution,
+    StepRequestErrors,
+    impl_resolves,
+    topk_owner_of_layer,
+)
+from vllm.v1.hisparse.resolver import check_resolution_error, describe_resolution_error
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -62,9 +68,11 @@ class _StepReport:
     """What one step leaves to report: its copies and counters, done once `event` has passed."""
 
     copies: list[int]  # copy ids
-    device_counts: torch.Tensor  # DEVICE_COUNTERS then the error bits, host memory
+    # DEVICE_COUNTERS, the step's error bits, then each of `request_ids`' own error bits.
+    device_counts: torch.Tensor
     host_counts: dict[str, int]
     event: Any = None  # a CUDA event recorded after the step's copies; None on CPU
+    request_ids: list[str] = field(default_factory=list)
 
 
 class StepReports:
@@ -82,20 +90,26 @@ class StepReports:
 
     def submit(
         self, copies: list[int], device_counts: torch.Tensor, error: torch.Tensor,
-        host_counts: dict[str, int],
+        host_counts: dict[str, int], request_errors: StepRequestErrors | None = None,
     ) -> None:
-        values = torch.cat([device_counts, error.reshape(1)])
+        parts = [device_counts, error.reshape(1)]
+        request_ids: list[str] = []
+        if request_errors is not None and request_errors.words is not None:
+            parts.append(request_errors.words)
+            request_ids = request_errors.request_ids
+        values = torch.cat(parts)
         if self.device.type != "cuda":
-            self._pending.append(_StepReport(copies, values, host_counts))
+            self._pending.append(_StepReport(copies, values, host_counts, None, request_ids))
             return
         pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         pinned.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append(_StepReport(copies, pinned, host_counts, event))
+        self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids))
 
-    def collect(self) -> tuple[list[int], dict[str, int], int]:
-        """(ids of durable copies, counters, error bits) of every step done since the last call.
+    def collect(self) -> tuple[list[int], dict[str, int], int, dict[str, int]]:
+        """(ids of durable copies, counters, error bits, each request's own error bits) of
+        every step done since the last call.
 
         Counters add up over the steps collected, except the maxima (`max_*`).
         `device_reads` counts the reads of device-produced values this makes: one
@@ -104,17 +118,23 @@ class StepReports:
         copies: list[int] = []
         counters = dict.fromkeys(WORKER_COUNTERS, 0)
         error = 0
+        failed: dict[str, int] = {}
+        num_counts = len(DEVICE_COUNTERS)
         while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
             report = self._pending.popleft()
             copies.extend(report.copies)
-            *values, step_error = report.device_counts.tolist()
+            read = report.device_counts.tolist()
+            values, step_error = read[:num_counts], read[num_counts]
+            for request_id, bits in zip(report.request_ids, read[num_counts + 1 :], strict=True):
+                if bits:
+                    failed[request_id] = failed.get(request_id, 0) | bits
             counters["device_reads"] += 1
             error |= step_error
             step_counts = [*zip(DEVICE_COUNTERS, values, strict=True), *report.host_counts.items()]
             for name, value in step_counts:
                 maximum = name.startswith("max_")
                 counters[name] = max(counters[name], value) if maximum else counters[name] + value
-        return copies, counters, error
+        return copies, counters, error, failed
 
 
 class HiSparseWorker:
@@ -231,7 +251,7 @@ class HiSparseWorker:
 
     def finish_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """After the forward (or instead of one): launch the planned copies, report what is done."""
-        device_counts, error, host_counts = self.resolution.end_step()
+        device_counts, error, host_counts, request_errors = self.resolution.end_step()
         plan, self._plan = self._plan, None
         if plan is None:
             return output
@@ -240,13 +260,13 @@ class HiSparseWorker:
             self._copy_pages(plan, plan.copies, to_host=True, error=error)
         host_counts["max_host_pools"] = self.num_pools
         copies = [c.copy_id for c in plan.copies]
-        self.reports.submit(copies, device_counts, error, host_counts)
-        copied, counters, error_bits = self.reports.collect()
-        check_resolution_error(error_bits)
+        self.reports.submit(copies, device_counts, error, host_counts, request_errors)
+        copied, counters, error_bits, failed = self.reports.collect()
         if output is _empty_output():
             output = copy(output)
         output.hisparse_copied = copied
         output.hisparse_counters = counters
+        output.hisparse_failed = failed_requests(error_bits, failed)
         return output
 
     def _run_restores(self, plan: HiSparseStepPlan) -> None:
@@ -267,6 +287,20 @@ class HiSparseWorker:
         block_ids = torch.tensor([[page.block_ids[c] for c in column] for page in pages], dtype=torch.int64)
         host_pages = torch.tensor([page.host_page for page in pages], dtype=torch.int64)
         copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host, error=error)
+
+
+def failed_requests(error_bits: int, request_bits: dict[str, int]) -> dict[str, str] | None:
+    """The requests a step's errors fail, and why; raises for a bit no request raised on its own.
+
+    A bit a request raised in its own word (its selections overflowed its rows) fails
+    that request alone, and the scheduler ends it with an error; any other bit (a row or
+    page copy out of bounds, a request row outside the hot state) stops the engine.
+    """
+    claimed = 0
+    for bits in request_bits.values():
+        claimed |= bits
+    check_resolution_error(error_bits & ~claimed)
+    return {request_id: describe_resolution_error(bits) for request_id, bits in request_bits.items()} or None
 
 
 def _empty_output():
