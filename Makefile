@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup test lint demo wheel image bench clean
+.PHONY: setup test lint demo wheel image bench stress clean
 
 ## setup: build this machine's distribution wheel and install it into .venv (idempotent)
 setup:
@@ -15,6 +15,10 @@ setup:
 test: setup
 	$(VENV_PY) -m ruff check .
 	$(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+## stress: setup, then the scheduler-level stress harness with SEEDS seeds per configuration
+stress: setup
+	HISPARSE_STRESS_SEEDS=$(or $(SEEDS),50) $(VENV_PY) -m pytest tests/integration/test_hisparse_stress.py
 
 lint: setup
 	$(VENV_PY) -m ruff check .
