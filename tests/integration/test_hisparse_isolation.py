@@ -324,3 +324,40 @@ def test_the_ownership_check_sees_a_reference_nobody_holds(model):
     h.block_pool.touch([block])
     with pytest.raises(OwnershipError, match=f"block {block.block_id}: 2 references, 1 holders"):
         h.hisparse.check_ownership()
+
+
+def test_a_restore_planned_before_a_connectors_load_stays_the_requests_own(model):
+    """An OffloadingConnector hit with room on the device: its sparse-MLA pages are restored
+    into the hit's blocks, planned with the request's first allocation, while the connector
+    loads the indexer's pages asynchronously. Allocated again for its first compute, the
+    request keeps those restores: the pages register as BOTH (durable on the host), and
+    nothing copies them to the host again."""
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="restore-test",
+        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
+    )  # fmt: skip
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=20 << 20, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=1024, kv_transfer_config=transfer, report_delay=2,
+    )  # fmt: skip
+    first_turn = prompt(1, 400)
+    h.add_request(first_turn, max_tokens=2, request_id="A1")
+    h.run_until_done()
+    assert h.kv_cache_manager.reset_prefix_cache(), "only the connector and the host pool hold A1 now"
+    copied = h.hisparse.stats()["pages_copied_to_host"]
+    second_turn = [*first_turn, *h.requests["A1"].output_token_ids, *prompt(2, 60)]
+    h.add_request(second_turn, max_tokens=4, request_id="A2")
+    loading = False
+    while "A2" not in h.hisparse.residency.requests:
+        h.step()
+        loading |= h.requests["A2"].status.name == "WAITING_FOR_REMOTE_KVS"
+    assert loading, "the connector loaded the hit asynchronously"
+    restored = h.hisparse.stats()["pages_restored"]
+    assert restored == 6
+    pages = h.hisparse.residency.requests["A2"].pages
+    assert [p.state.value for p in pages[:restored]] == ["both"] * restored
+    h.run_until_done()
+    plans = [o.hisparse_plan for o in h.observations if o.hisparse_plan is not None]
+    copies = [c for plan in plans for c in plan.copies if c.request_id == "A2"]
+    assert copies and all(c.page_index >= restored for c in copies), "a restored page was copied again"
+    assert h.hisparse.stats()["pages_copied_to_host"] - copied == len(copies)

@@ -114,9 +114,12 @@ class Admissions:
         return record
 
     def after_allocation(self, request: Request, num_external_tokens: int) -> list[PageRestore]:
-        """The request's blocks are allocated (its table holds the hit now); the restores to plan."""
+        """The request's blocks are allocated (its table holds the hit now); the restores to plan.
+
+        A request that waited for a connector's load is allocated again for its first
+        compute: its restores were planned with its first allocation, and stay its own."""
         record = self._records.get(request.request_id)
-        if record is None:
+        if record is None or record.allocated:
             return []
         record.allocated = True
         record.hit = []
