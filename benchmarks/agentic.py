@@ -112,12 +112,15 @@ class Run:
     attention_calls_per_layer_step: float = 0.0
     resolver_calls_per_layer_step: float = 0.0
     max_resolver_calls_per_layer_step: float = 0.0
+    # Attention passes beyond a layer's first in a step (a prefill chunk whose selections
+    # outgrew its hot buffer and staging), per layer and step.
+    extra_attention_passes_per_layer_step: float = 0.0
     resolution_plans_per_step: float = 0.0
     resolving_steps: float = 0.0
     rows_loaded: float = 0.0
     rows_staged: float = 0.0
     staging_rows_leased: float = 0.0
-    chunks_shortened: float = 0.0
+    staging_rows_short: float = 0.0
     host_syncs_per_step: float = 0.0
     ratios_to_baseline: dict[str, float] = field(default_factory=dict)
 
@@ -237,12 +240,15 @@ def add_work_counters(run: Run, text: str) -> None:
     run.attention_calls_per_layer_step = metric(text, "vllm:hisparse_attention_calls_total") / layered
     run.resolver_calls_per_layer_step = metric(text, "vllm:hisparse_resolver_calls_total") / layered
     run.max_resolver_calls_per_layer_step = metric(text, "vllm:hisparse_max_resolver_calls_per_layer_step")
+    run.extra_attention_passes_per_layer_step = (
+        metric(text, "vllm:hisparse_extra_attention_passes_total") / layered
+    )
     run.resolution_plans_per_step = metric(text, "vllm:hisparse_resolution_plans_total") / forward_steps
     run.resolving_steps = metric(text, "vllm:hisparse_resolving_steps_total")
     run.rows_loaded = metric(text, "vllm:hisparse_rows_loaded_total")
     run.rows_staged = metric(text, "vllm:hisparse_rows_staged_total")
     run.staging_rows_leased = metric(text, "vllm:hisparse_staging_rows_leased_total")
-    run.chunks_shortened = metric(text, "vllm:hisparse_chunks_shortened_total")
+    run.staging_rows_short = metric(text, "vllm:hisparse_staging_rows_short_total")
     worker_steps = metric(text, "vllm:hisparse_worker_steps_total")
     run.host_syncs_per_step = metric(text, "vllm:hisparse_device_reads_total") / max(worker_steps, 1)
 

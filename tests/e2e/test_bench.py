@@ -39,12 +39,14 @@ def test_the_benchmark_measures_the_baseline_and_hybrid_side_by_side(tmp_path):
         assert run["computed_prompt_tokens"] >= run["new_prompt_tokens"]
         assert run["bytes_to_host"] > 0, "the connector stored, or HiSparse copied, something"
     assert runs["hybrid"]["pages_demoted"] > 0, "the KV pool was under pressure"
-    # The data path's work counters: one attention call per layer and step (no second
-    # pass), at most one resolver call per layer in any step, every one of them counted.
+    # The data path's work counters: one attention call per layer and step, which resolves
+    # once per pass (one pass, unless a chunk's selections outgrew its hot and staging
+    # rows), every one of them counted.
     hybrid = runs["hybrid"]
     assert hybrid["attention_calls_per_layer_step"] == pytest.approx(1.0)
-    assert hybrid["max_resolver_calls_per_layer_step"] == 1
-    assert 0 < hybrid["resolver_calls_per_layer_step"] <= 1
+    assert hybrid["max_resolver_calls_per_layer_step"] >= 1
+    extra = hybrid["extra_attention_passes_per_layer_step"]
+    assert 0 < hybrid["resolver_calls_per_layer_step"] - extra <= 1
     assert hybrid["rows_loaded"] > 0 and hybrid["engine_steps"] > 0
     assert hybrid["host_syncs_per_step"] == pytest.approx(1.0), "one read of the step's counters"
     # Ratios are the two runs' own figures divided, measured in the same invocation.

@@ -71,9 +71,10 @@ def test_tokens_under_pressure_equal_the_all_resident_run(model, mode):
     assert stats["host_prefix_pages_reused"] > 0
     assert stats["rows_loaded"] > 0, "the resolver loaded rows from the host pool"
     assert preemptions == 0
-    # Step-granular, single pass: each layer attends once per step, and resolves at most once.
+    # Step-granular: each layer attends once per step, resolving once per pass (a chunk whose
+    # selections outgrew its hot and staging rows takes more than one).
     assert stats["attention_calls"] == 6 * stats["forward_steps"]
-    assert stats["max_resolver_calls_per_layer_step"] == 1 and stats["resolver_calls"] > 0
+    assert stats["resolver_calls"] == 6 * stats["resolving_steps"] + stats["extra_attention_passes"]
     # The engine's Prometheus metrics show the same counts.
     counted = ("pages_copied_to_host", "pages_demoted", "rows_loaded", "rows_hit", "host_prefix_pages_reused")
     for name in counted:
@@ -188,7 +189,12 @@ def test_layers_that_share_an_indexer_share_one_resolution_and_keep_the_tokens()
     tokens, tokens2, cached2, stats, preemptions, _ = pressed
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
     assert stats["request_steps_none"] > 0 and stats["resolving_steps"] > 0
-    assert stats["resolution_plans"] * 6 == stats["resolver_calls"] * 4, "one plan per indexer and step"
+    # Layers 2 and 4 replay the plans of layers 1 and 3: in every resolving step, two of the
+    # six layers' calls (per pass) make no plan of their own.
+    assert stats["resolution_plans"] >= 4 * stats["resolving_steps"]
+    assert stats["resolver_calls"] - stats["resolution_plans"] >= 2 * stats["resolving_steps"], (
+        "one plan per indexer, step and pass"
+    )
     assert stats["attention_calls"] == 6 * stats["forward_steps"], "each layer attends once per step"
     assert cached2 == reference[2]
     assert (tokens, tokens2) == reference[:2]
@@ -433,7 +439,7 @@ def test_mtp_drafts_and_tokens_under_pressure_equal_the_all_resident_run():
     (tokens, drafts, stats, preemptions), (reference, reference_drafts, *_) = pressed, resident
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
     assert stats["speculative_steps_with_host_pages"] > 0, "drafts were verified for MIXED/NONE requests"
-    assert stats["chunks_shortened"] > 0, "staging shortened a prefill chunk"
+
     assert len(drafts) > 0 and drafts == reference_drafts
     assert tokens == reference
 

@@ -116,9 +116,16 @@ def test_startup_resolves_default_buffer_and_says_hisparse_is_on(tiny_glm_dsa_di
     finally:
         logger.removeHandler(records)
     assert config.attention_config.hisparse_config.device_buffer_size == 2 * 32
+    assert config.attention_config.hisparse_config.staging_rows == 2 * 32, "the staging budget: a hot buffer"
     assert config.cache_config.kv_cache_layout == "BLHNC", "groups of different page sizes overlay blocks"
-    expected = "Hybrid HiSparse: on (mode=hybrid, host_pool_gib=1.0, device_buffer_size=64)"
+    expected = "Hybrid HiSparse: on (mode=hybrid, host_pool_gib=1.0, device_buffer_size=64, staging_rows=64)"
     assert any(expected in m for m in records.messages), records.messages
+
+
+def test_a_negative_staging_budget_is_refused_naming_the_default():
+    refused = "staging_rows must be >= 0 rows \\(got -1\\).*default of device_buffer_size"
+    with pytest.raises(ValueError, match=refused):
+        HiSparseConfig(host_pool_gib=1, staging_rows=-1)
 
 
 def test_startup_rejects_a_model_without_sparse_mla(tiny_llama_dir):

@@ -487,10 +487,9 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.mgr.advance(name, self.tokens[name])
         self.mgr.set_prefilling(name, prefilling)
 
-    @rule(frozen=st.booleans())
-    def plan(self, frozen):
-        names = set(list(self.mgr.requests)[:1]) if frozen else set()
-        self.in_flight.append(self.mgr.plan_copies(frozen=names))
+    @rule()
+    def plan(self):
+        self.in_flight.append(self.mgr.plan_copies())
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), lands=st.booleans())
@@ -507,13 +506,11 @@ class ResidencyMachine(RuleBasedStateMachine):
     @rule(data=st.data(), blocks=st.integers(1, 12))
     def pressure(self, data, blocks):
         protect = data.draw(st.sampled_from(sorted(self.mgr.requests)))
-        frozen = set(data.draw(st.lists(st.sampled_from(sorted(self.mgr.requests)), max_size=2)))
-        hosted = {name: self.mgr.requests[name].num_host_pages for name in frozen}
+        hosted = self.mgr.requests[protect].num_host_pages
         free_before = self.pool.num_free_blocks()
-        freed = self.mgr.relieve_pressure(blocks, protect=protect, frozen=frozen)
+        freed = self.mgr.relieve_pressure(blocks, protect=protect)
         assert self.pool.num_free_blocks() == free_before + freed
-        for name, host_pages in hosted.items():
-            assert self.mgr.requests[name].num_host_pages == host_pages, "a frozen request keeps its pages"
+        assert self.mgr.requests[protect].num_host_pages == hosted, "the protected request keeps its pages"
 
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data(), blocks=st.integers(1, 12))

@@ -14,7 +14,11 @@ from vllm.v1.hisparse.resolver import (
     ERROR_STAGING_OVERFLOW,
     HotState,
     ResolverError,
+    apply_resolution,
     copy_host_rows,
+    host_entries,
+    partition_passes,
+    plan_passes,
     plan_resolution,
     resolve_topk_slots,
 )
@@ -244,3 +248,67 @@ def test_error_bits_match_the_kernels():
     for bit in every:
         with pytest.raises(ResolverError):
             resolver.check_resolution_error(bit)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**20),
+    num_reqs=st.integers(1, 3),
+    pages=st.integers(2, 6),
+    hot_slots=st.integers(2, 8),
+    tokens=st.integers(1, 10),
+    topk=st.integers(1, 4),
+    hot_fill=st.integers(0, 8),
+    staging=st.integers(0, 4),
+)
+def test_a_step_beyond_hot_and_staging_rows_resolves_in_passes_that_read_the_true_rows(
+    seed, num_reqs, pages, hot_slots, tokens, topk, hot_fill, staging
+):
+    """Any step, however many rows its tokens select, is cut into passes whose union of host
+    rows fits each request's hot and staging slots; replayed pass by pass (as attention
+    runs them), every token reads its true rows in its own pass, and no pass overflows."""
+    topk = min(topk, hot_slots)  # a single token always fits: the hot buffer holds top-K rows
+    s = build(seed, num_reqs, pages, hot_slots, tokens, topk, 0.3, hot_fill, staging)
+    if not len(s.table_rows):
+        return
+    capacity = hot_slots + s.staging_slots
+    table = s.host_page_table
+    token_pass = partition_passes(s.positions, s.token_requests, table, s.table_rows, BLOCK, capacity)
+    num_passes = int(token_pass.max()) + 1
+    passes = plan_passes(s.positions, s.token_requests, table, BLOCK, s.hot, s.staging_slots, s.step,
+                         s.table_rows, token_pass, num_passes)
+    on_host = host_entries(s.positions, s.token_requests, s.host_page_table, s.table_rows, BLOCK)
+    for p, (tokens_p, plan) in enumerate(passes):
+        assert int(plan.error) == 0, f"pass {p} overflowed"
+        for m in range(len(s.table_rows)):
+            mine = tokens_p[s.token_requests[tokens_p] == m]
+            union = {int(x) for x in s.positions[mine][on_host[mine]]}
+            assert len(union) <= int(capacity[m]), "a pass's union fits the request's slots"
+        out = apply_resolution(plan, s.rows[tokens_p], s.slot_rows, s.kv_rows, s.host_rows)
+        for i, t in enumerate(tokens_p.tolist()):
+            for k in range(out.shape[1]):
+                position = int(s.positions[t, k])
+                if position >= 0:
+                    assert torch.equal(s.kv_rows[out[i, k]], s.truth[(s.batch_request[t], position)])
+    # Passes are the longest runs: merging a run with the next one's first token overflows.
+    for m in range(len(s.table_rows)):
+        mine = torch.nonzero(s.token_requests == m).squeeze(1)
+        for p in range(num_passes - 1):
+            next_first = torch.arange(len(mine)) == int((token_pass[mine] <= p).sum())
+            run = mine[(token_pass[mine] == p) | next_first]
+            if (token_pass[mine] == p + 1).any():
+                union = {int(x) for x in s.positions[run][on_host[run]]}
+                assert len(union) > int(capacity[m]), "a pass ended early"
+
+
+def test_a_chunk_over_a_long_host_context_takes_passes_not_a_shorter_chunk():
+    """Eight tokens, each selecting four new host rows, with four hot and four staging slots:
+    two tokens fit a pass, so four passes; one token per pass would waste passes."""
+    s = build(1, num_reqs=1, pages=8, hot_slots=4, tokens=1, topk=4, resident_p=0.0, hot_fill=0, staging=4)
+    positions = torch.arange(32).view(8, 4)
+    token_pass = partition_passes(positions, torch.zeros(8, dtype=torch.int64), s.host_page_table,
+                                  s.table_rows, BLOCK, torch.tensor([8]))
+    assert token_pass.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    shared = torch.tensor([[0, 1, 2, 3]] * 8)  # every token selects the same rows: one pass
+    assert partition_passes(shared, torch.zeros(8, dtype=torch.int64), s.host_page_table, s.table_rows,
+                            BLOCK, torch.tensor([8])).tolist() == [0] * 8

@@ -80,6 +80,14 @@ class HiSparseConfig:
     top-K, or (1 + n) x top-K with n speculative tokens per step. Must be at least
     the model's index top-K."""
 
+    staging_rows: int | None = None
+    """Rows per request and step (in every sparse-MLA layer) that a prefill chunk or a
+    draft verification over host pages may load beyond its hot buffer, leased from the
+    KV cache pool for that step. A step whose tokens select more distinct host rows
+    than the hot buffer and these hold attends in passes over its query tokens, so the
+    chunk keeps its length. Default: device_buffer_size. 0: no staging (passes of at
+    most the hot buffer's rows)."""
+
     mode: HiSparseMode = "hybrid"
     """"hybrid": offload only under KV-cache pressure. "always": keep only each
     request's tail resident regardless of pressure (the original HiSparse
@@ -122,6 +130,16 @@ class HiSparseConfig:
             )
         return value
 
+    @field_validator("staging_rows")
+    @classmethod
+    def validate_staging_rows(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(
+                f"hisparse_config.staging_rows must be >= 0 rows (got {value}); leave it unset "
+                "for the default of device_buffer_size"
+            )
+        return value
+
     @property
     def host_pool_bytes(self) -> int:
         return int(self.host_pool_gib * GiB)
@@ -130,10 +148,10 @@ class HiSparseConfig:
         """Hash of the fields that change the compiled graph or the KV layout.
 
         Whether HiSparse is on, its mode and the hot-buffer size shape the
-        attention path and the KV cache layout; the host pool size and the
-        proactive-copy switch are runtime policy only.
+        attention path and the KV cache layout; the host pool size, the staging
+        budget and the proactive-copy switch are runtime policy only.
         """
-        factors = get_hash_factors(self, {"host_pool_gib", "proactive_copy"})
+        factors = get_hash_factors(self, {"host_pool_gib", "proactive_copy", "staging_rows"})
         return hash_factors(factors)
 
     def uuid(self) -> str:
@@ -239,6 +257,8 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             f"{model} selects index_topk={topk} rows per step; set device_buffer_size >= "
             f"{topk} or leave it unset for the default {default}"
         )
+    if hisparse.staging_rows is None:
+        hisparse.staging_rows = hisparse.device_buffer_size
     page_bytes = sparse_mla_page_bytes(vllm_config)
     if host_pool_pages(vllm_config) < 1:
         raise ValueError(
@@ -278,10 +298,11 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
         if not current_platform.is_cpu():
             route_sparse_mla_through_the_resolver(vllm_config)
         logger.info(
-            "Hybrid HiSparse: on (mode=%s, host_pool_gib=%s, device_buffer_size=%d).",
+            "Hybrid HiSparse: on (mode=%s, host_pool_gib=%s, device_buffer_size=%d, staging_rows=%d).",
             hisparse.mode,
             hisparse.host_pool_gib,
             hisparse.device_buffer_size,
+            hisparse.staging_rows,
         )
     else:
         logger.warning(

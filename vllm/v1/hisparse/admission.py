@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator, Set
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -88,7 +88,6 @@ class Admissions:
         import_kind: ImportKind,
         lease_blocks_for: Callable[[Request], int],
         plans_issued: Callable[[], bool],
-        frozen: Set[str],
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -98,7 +97,6 @@ class Admissions:
         self.import_kind = import_kind
         self._lease_blocks_for = lease_blocks_for
         self._plans_issued = plans_issued
-        self._frozen = frozen
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
 
@@ -208,7 +206,7 @@ class Admissions:
         if not lease:
             short = num_blocks - self.blocks.num_free_blocks()
             protected = self.hit_block_ids()
-            if self.residency.relieve_pressure(short, protected_blocks=protected, frozen=self._frozen) > 0:
+            if self.residency.relieve_pressure(short, protected_blocks=protected) > 0:
                 lease = self.residency.lease(num_blocks)
         return [BlockId(b) for b in lease]
 

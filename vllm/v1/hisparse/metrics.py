@@ -88,6 +88,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Resolver calls: one per resolved sparse-MLA layer per step.",
         "resolver_calls",
     ),
+    "vllm:hisparse_extra_attention_passes": (
+        "Attention passes beyond a layer's first in a step: a prefill chunk that selected more "
+        "host rows than its hot buffer and staging hold attends in passes.",
+        "extra_attention_passes",
+    ),
     "vllm:hisparse_attention_calls": (
         "Attention kernel calls of HiSparse-managed layers (one per layer per step).",
         "attention_calls",
@@ -106,9 +111,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Rows per sparse-MLA layer leased for one step to stage selections beyond hot buffers.",
         "staging_rows_leased",
     ),
-    "vllm:hisparse_chunks_shortened": (
-        "Chunks shortened because the pool could not spare their staging rows.",
-        "chunks_shortened",
+    "vllm:hisparse_staging_rows_short": (
+        "Rows of a chunk's staging budget the pool could not spare; the chunk kept its length "
+        "and attended in more passes.",
+        "staging_rows_short",
     ),
     "vllm:hisparse_hot_leases": ("Hot buffers leased to requests.", "hot_leases"),
     "vllm:hisparse_preemptions_avoided": (

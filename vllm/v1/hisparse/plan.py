@@ -31,14 +31,18 @@ CopyId = NewType("CopyId", int)  # one device->host copy, unique for the schedul
 # host pool, found in a hot buffer, and staged beyond it (each summed over layers).
 DEVICE_COUNTERS = ("rows_loaded", "rows_hit", "rows_staged")
 # On the host: steps the worker executed (with or without a forward), resolution
-# plans made (one per top-K selection and step), resolver calls (one per resolved
-# layer and step), attention kernel calls of managed layers, steps whose forward ran
-# those layers, steps that resolved, the most resolver calls one layer made in
-# one step, and the host pools the engine's ranks write (one per node they span).
+# plans made (one per top-K selection, step and pass), resolver calls (one per
+# resolved layer, step and pass), attention passes beyond a layer's first in a step
+# (a layer whose request selects more rows than its hot and staging rows hold attends
+# in several), attention kernel calls of managed layers (one per layer and step),
+# steps whose forward ran those layers, steps that resolved, the most resolver calls
+# one layer made in one step, and the host pools the engine's ranks write (one per
+# node they span).
 HOST_COUNTERS = (
     "worker_steps",
     "resolution_plans",
     "resolver_calls",
+    "extra_attention_passes",
     "attention_calls",
     "forward_steps",
     "resolving_steps",

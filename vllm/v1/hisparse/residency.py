@@ -433,21 +433,19 @@ class ResidencyManager:
 
     # -- copies --------------------------------------------------------------
 
-    def plan_copies(self, frozen: Set[str] = frozenset()) -> list[PageCopy]:
+    def plan_copies(self) -> list[PageCopy]:
         """Device->host copies for this step's post-forward launch, bounded per step.
 
         Pages marked for demotion go first, then (mode "always" or proactive
         copy) every completed page. MIXED and NONE requests get proactive copies
         too: a later request's host prefix hit, or a KV connector hit, needs every
         page of the prefix in the host pool. Mode "always" also demotes, without
-        pressure, every copied page that has left the resident tail, except for
-        the `frozen` requests' (see `relieve_pressure`).
+        pressure, every copied page that has left the resident tail.
         """
         if self.mode == "always":
             for request_id in list(self._settled):
-                if request_id not in frozen:
-                    req = self.requests[request_id]
-                    self._demote(req, list(req.both_demotable))
+                req = self.requests[request_id]
+                self._demote(req, list(req.both_demotable))
         wanted: list[tuple[str, int]] = []
         for request_id, index in self._marked:
             if len(wanted) >= self.max_copies_per_step:
@@ -568,7 +566,6 @@ class ResidencyManager:
         blocks_needed: int,
         protect: str | None = None,
         protected_blocks: Set[int] = frozenset(),
-        frozen: Set[str] = frozenset(),
     ) -> int:
         """Free device blocks by demoting pages, before the scheduler preempts anyone.
 
@@ -577,17 +574,19 @@ class ResidencyManager:
         that reads host rows needs staging rows), then those with the most
         demotable BOTH pages, oldest pages first. Never the tail (the page being
         written and the last RESIDENT_TAIL_PAGES complete ones), never
-        `protect`'s or a `frozen` request's pages (a chunk already scheduled this
-        step whose staging counted its HOST pages), never a page holding one of
-        `protected_blocks`. A request's first demotion costs it a hot lease, so
-        it is demoted only if that frees more than the lease takes. If that is
+        `protect`'s pages, never a page holding one of `protected_blocks` (a
+        pending admission's prefix hit). A chunk scheduled this step may lose
+        pages to a later relief in the same step: the step's plan carries them,
+        and its resolution takes passes if its selections then outgrow its
+        rows. A request's first demotion costs it a hot lease, so it is
+        demoted only if that frees more than the lease takes. If that is
         not enough, marks completed DEVICE pages for copy-then-free in the next
         `plan_copies`. Returns blocks freed, net of leases taken (when frees are
         deferred, some of them return only after the step in flight).
         """
         freed_total = 0
         victims = sorted(
-            (rid for rid in self._settled if rid != protect and rid not in frozen),
+            (rid for rid in self._settled if rid != protect),
             key=lambda rid: (self.requests[rid].prefilling, -len(self.requests[rid].both_demotable)),
         )
         for request_id in victims:

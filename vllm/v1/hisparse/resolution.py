@@ -9,10 +9,12 @@ Owns, per worker:
   reuse its top-K, see `topk_owner_of_layer`), the hot state kept across steps
   (held position and LRU stamp of every slot);
 - the step's staging rows (blocks the scheduler leased for this step only);
-- `resolve_rows`: the rows one sparse-MLA layer reads this step. The first
-  layer of a selection plans the step (`plan_resolution`, once for all query
-  tokens of all requests); every layer replays the plan over its own cache,
-  copying its misses from the host pool (`apply_resolution`);
+- `resolve_rows`: the rows one sparse-MLA layer reads this step, pass by pass.
+  The first layer of a selection plans the step (`plan_resolution`, once for
+  all query tokens of all requests; as passes, `plan_passes`, when a request's
+  selections may not fit its hot and staging rows at once); every layer replays
+  the plans over its own cache, copying its misses from the host pool
+  (`apply_resolution`), one attention call per pass (`sparse_mla.py`);
 - counters (rows loaded, hot hits) and the error bits, the step's and each
   request's own, kept as tensors on the cache's device and read once per step
   by the worker's reports (`end_step` hands them over);
@@ -35,7 +37,14 @@ from typing import Any
 import torch
 
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HOST_COUNTERS, HostPageUpdate, HotLeaseUpdate, StepStaging
-from vllm.v1.hisparse.resolver import HotState, ResolutionPlan, apply_resolution, plan_resolution
+from vllm.v1.hisparse.resolver import (
+    HotState,
+    ResolutionPlan,
+    apply_resolution,
+    partition_passes,
+    plan_passes,
+    plan_resolution,
+)
 
 # The attribute a backend's resolving forward_mqa carries (see sparse_mla.py).
 RESOLVING_MARKER = "resolves_through_hisparse"
@@ -245,44 +254,35 @@ class HiSparseResolution:
         kv_rows: torch.Tensor,
         stride_rows: int,
         index_stride: int | None = None,
+        pass_index: int = 0,
     ) -> torch.Tensor:
-        """The rows one sparse-MLA layer reads this step, HOST pages resolved.
+        """The rows one sparse-MLA layer reads in one pass of this step, HOST pages resolved.
 
         positions [T, K]: the indexer's selection per query token (-1 padded);
         batch_rows [T]: each token's batch row; rows [T, K]: the backend's own
         conversion of the selection, block b's token i at b * index_stride + i
         (HOST pages point at the null block there; default stride_rows);
         kv_rows: the layer's cache as rows, block b's token i at
-        b * stride_rows + i. Misses are copied into kv_rows.
+        b * stride_rows + i. Misses are copied into kv_rows. Only the tokens of
+        `pass_index` (`pass_of_token`) read right rows from this call's result.
         """
         step = self._step()
-        plan = step.plans.get(self.topk_owner[layer_name])
+        owner = self.topk_owner[layer_name]
         token_requests = step.token_requests(batch_rows)
-        # On CPU the plan covers only the tokens of requests with HOST pages (a prefill
+        # On CPU the plans cover only the tokens of requests with HOST pages (a prefill
         # chunk of a resident request would only add entries that resolve in place); on
-        # CUDA it keeps the batch's fixed shape, which needs no count read back.
+        # CUDA they keep the batch's fixed shape, which needs no count read back.
         tokens = None if positions.is_cuda else step.tokens_with_host_pages(batch_rows, token_requests)
         if tokens is not None:
             positions, token_requests = positions[tokens], token_requests[tokens]
-        if plan is None:
-            owner = self.topk_owner[layer_name]
-            hot = self._hot.get(owner)
-            if hot is None:
-                hot = self._hot[owner] = HotState.empty(len(self.host_page_table), self.hot_rows, self.device)
-            active = HotState(hot.positions[step.requests], hot.stamps[step.requests])
-            plan = plan_resolution(
-                positions, token_requests, self.host_page_table, self.block_size, active,
-                step.staging_slots, self._stamp, table_rows=step.requests,
-                max_tokens_per_request=step.max_tokens_per_request,
-            )
-            hot.positions[step.requests] = active.positions
-            hot.stamps[step.requests] = active.stamps
-            step.plans[owner] = plan
-            self.error |= plan.error
-            step.request_error = plan.request_error if step.request_error is None else (
-                step.request_error | plan.request_error
-            )
-            self.counts["resolution_plans"] += 1
+        passes = step.passes.get(owner)
+        if passes is None:
+            passes = step.passes[owner] = self._plan(step, owner, positions, token_requests)
+            pass_of_token = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
+            for p, (pass_tokens, _) in enumerate(passes[1:], start=1):
+                pass_of_token[pass_tokens if tokens is None else tokens[pass_tokens]] = p
+            step.pass_of_token[owner] = pass_of_token
+        pass_tokens, plan = passes[pass_index]
         group = self.group_of_layer[layer_name]
         leases = self._lease_blocks[group]
         copy_rows = step.slot_rows(group, stride_rows, leases, self.block_size, self.hot_rows)
@@ -294,14 +294,74 @@ class HiSparseResolution:
             host_rows = host_rows.view(kv_rows.dtype)
         self._device_counts += plan.counts
         self.counts["resolver_calls"] += 1
+        self.counts["extra_attention_passes"] += pass_index > 0
         self._resolved_layers[layer_name] = self._resolved_layers.get(layer_name, 0) + 1
         if tokens is None:
-            return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows, self.error)
+            if len(passes) == 1:
+                return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows, self.error)
+            selected = pass_tokens
+        else:
+            selected = tokens[pass_tokens]  # the pass's tokens among the call's
         resolved = rows.clone()
-        resolved[tokens] = apply_resolution(
-            plan, rows[tokens], slot_rows, kv_rows, host_rows, copy_rows, self.error
+        resolved[selected] = apply_resolution(
+            plan, rows[selected], slot_rows, kv_rows, host_rows, copy_rows, self.error
         )
         return resolved
+
+    def _plan(
+        self, step: _Step, owner: int, positions: torch.Tensor, token_requests: torch.Tensor
+    ) -> list[tuple[torch.Tensor, ResolutionPlan]]:
+        """Plan one top-K selection's step: one pass, or passes when some request's tokens x
+        top-K exceed its hot and staging rows (known on the host, so a step that fits
+        reads nothing back). Returns (tokens, plan) per pass; tokens index the planned ones."""
+        hot = self._hot.get(owner)
+        if hot is None:
+            hot = self._hot[owner] = HotState.empty(len(self.host_page_table), self.hot_rows, self.device)
+        active = HotState(hot.positions[step.requests], hot.stamps[step.requests])
+        topk = positions.shape[1]
+        may_overflow = any(
+            self._num_scheduled_tokens.get(rid, 0) * topk > self.hot_rows + slots
+            for rid, slots in zip(step.request_ids, step.staging_counts, strict=True)
+        )
+        token_pass = None
+        if may_overflow:
+            token_pass = partition_passes(
+                positions, token_requests, self.host_page_table, step.requests, self.block_size,
+                self.hot_rows + step.staging_slots,
+            )
+        num_passes = int(token_pass.max()) + 1 if token_pass is not None and token_pass.numel() else 1
+        if num_passes == 1:
+            plan = plan_resolution(
+                positions, token_requests, self.host_page_table, self.block_size, active,
+                step.staging_slots, self._stamp, table_rows=step.requests,
+                max_tokens_per_request=step.max_tokens_per_request,
+            )
+            passes = [(torch.arange(positions.shape[0], device=positions.device), plan)]
+        else:
+            passes = plan_passes(
+                positions, token_requests, self.host_page_table, self.block_size, active,
+                step.staging_slots, self._stamp, step.requests, token_pass, num_passes,
+            )
+        hot.positions[step.requests] = active.positions
+        hot.stamps[step.requests] = active.stamps
+        for _, plan in passes:
+            self.error |= plan.error
+            step.request_error = plan.request_error if step.request_error is None else (
+                step.request_error | plan.request_error
+            )
+        self.counts["resolution_plans"] += len(passes)
+        return passes
+
+    def num_passes(self, layer_name: str) -> int:
+        """How many passes this step's attention of `layer_name` takes (1 before it resolved)."""
+        step = self._step_state
+        passes = step.passes.get(self.topk_owner[layer_name]) if step is not None else None
+        return len(passes) if passes is not None else 1
+
+    def pass_of_token(self, layer_name: str) -> torch.Tensor:
+        """[T] the pass each of the layer's query tokens reads its rows in (0: the first)."""
+        assert self._step_state is not None
+        return self._step_state.pass_of_token[self.topk_owner[layer_name]]
 
     def _step(self) -> _Step:
         if self._step_state is None:
@@ -334,15 +394,17 @@ class _Step:
                                      device=device)
         self._batch_rows = batch_rows
         staging = [resolution._staging.get(rid) for rid in request_ids]
-        self.staging_slots = torch.tensor([s.num_slots if s else 0 for s in staging], dtype=torch.int64,
-                                          device=device)
+        self.staging_counts = [s.num_slots if s else 0 for s in staging]
+        self.staging_slots = torch.tensor(self.staging_counts, dtype=torch.int64, device=device)
         self._staging = staging
         self._mla_group_ids = resolution.mla_group_ids
         self._device = device
         self._token_requests: dict[tuple[int, int], torch.Tensor] = {}
         self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         self._slot_rows: dict[tuple[int, int], torch.Tensor] = {}
-        self.plans: dict[int, ResolutionPlan] = {}
+        # Per top-K owner: (tokens, plan) of each pass, and the pass of every query token.
+        self.passes: dict[int, list[tuple[torch.Tensor, ResolutionPlan]]] = {}
+        self.pass_of_token: dict[int, torch.Tensor] = {}
         self.max_tokens_per_request: int | None = None
         # [M]: the error bits each request raised on its own in this step's plans.
         self.request_error: torch.Tensor | None = None

@@ -32,6 +32,19 @@ one `ResolutionPlan` serves every layer that shares the selection: each layer
 replays it over its own cache, hot-buffer rows and host pool (`apply`); only
 the row copies repeat.
 
+Passes. A request's misses fit its hot and staging slots exactly when the
+union U of its positions on HOST pages has at most H + S rows (hot rows plus
+its staging rows), whatever the hot state holds. A step whose request selects
+more (a prefill chunk over a long host-resident context, with staging sized by
+a budget rather than by tokens x top-K) is split into passes
+(`partition_passes`): each request's tokens, in order, are cut greedily into
+the longest runs whose union fits; pass p holds every request's p-th run
+(requests that fit at once are all in pass 0). Each pass is planned as a step
+of its own over its tokens, the hot state carried from pass to pass
+(`plan_passes`), and the layer attends once per pass, keeping each token's
+output from its own pass. No row is ever served wrong and the chunk keeps its
+length.
+
 The plan is computed with fixed-shape tensor operations (sorts, scans,
 scatters over the step's T x K entries), and the row copies take its per-entry
 arrays with a mask (`copy_host_rows`: a CUDA kernel on CUDA caches), so nothing
@@ -304,6 +317,98 @@ def plan_resolution(
         error=error,
         request_error=request_error,
     )
+
+
+def host_entries(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """[T, K] bool: the entries that are positions on HOST pages of their token's request
+    (token_requests and table_rows in bounds: `plan_resolution` flags the others)."""
+    num_pages = host_page_table.shape[1]
+    pos = positions.long()
+    request = token_requests.long().unsqueeze(1).expand_as(pos)
+    page = pos.clamp(min=0) // block_size
+    candidate = (pos >= 0) & (request >= 0) & (page < num_pages)
+    rows = table_rows[request.clamp(min=0, max=max(table_rows.shape[0] - 1, 0))]
+    host_page = host_page_table[rows, page.clamp(max=max(num_pages - 1, 0))]
+    return candidate & (host_page >= 0)
+
+
+def partition_passes(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+    capacity: torch.Tensor,
+) -> torch.Tensor:
+    """[T] int64: the pass of each token (see the module docstring).
+
+    Request m's tokens, in order, are cut into the longest runs whose distinct
+    positions on HOST pages number at most capacity[m] (its hot rows plus its
+    staging rows); a token of a request without HOST pages is in pass 0. It reads
+    the run boundaries back, one per extra pass: the caller calls it only for a
+    step that may need passes (some request's tokens x top-K above its capacity).
+    """
+    num_tokens = positions.shape[0]
+    token_pass = torch.zeros(num_tokens, dtype=torch.int64, device=positions.device)
+    on_host = host_entries(positions, token_requests, host_page_table, table_rows, block_size)
+    for m in range(capacity.shape[0]):
+        tokens = torch.nonzero(token_requests == m).squeeze(1)
+        if not tokens.numel():
+            continue
+        local, column = torch.nonzero(on_host[tokens], as_tuple=True)
+        if not local.numel():
+            continue
+        # Each distinct position, and the tokens (by local index) that select it.
+        _, position_id = torch.unique(positions[tokens][local, column].long(), return_inverse=True)
+        num_positions = int(position_id.max()) + 1
+        limit = int(capacity[m])
+        start, pass_index = 0, 0
+        while True:
+            later = local >= start
+            first = torch.full((num_positions,), tokens.numel(), dtype=torch.int64, device=positions.device)
+            first.scatter_reduce_(0, position_id[later], local[later], reduce="amin")
+            firsts = torch.sort(first[first < tokens.numel()]).values
+            if firsts.numel() <= limit:
+                token_pass[tokens[start:]] = pass_index
+                break
+            # The run ends before the token whose selections bring the limit-plus-first row.
+            end = max(int(firsts[limit]), start + 1)
+            token_pass[tokens[start:end]] = pass_index
+            start, pass_index = end, pass_index + 1
+            if start >= tokens.numel():
+                break
+    return token_pass
+
+
+def plan_passes(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    block_size: int,
+    hot: HotState,
+    staging_slots: torch.Tensor,
+    step: int,
+    table_rows: torch.Tensor,
+    token_pass: torch.Tensor,
+    num_passes: int,
+) -> list[tuple[torch.Tensor, ResolutionPlan]]:
+    """The step as passes: for each, its tokens (indices into the step's) and its plan,
+    made in order from the hot state the previous pass left (updates `hot`)."""
+    passes = []
+    for p in range(num_passes):
+        tokens = torch.nonzero(token_pass == p).squeeze(1)
+        plan = plan_resolution(
+            positions[tokens], token_requests[tokens], host_page_table, block_size, hot, staging_slots,
+            step, table_rows,
+        )
+        passes.append((tokens, plan))
+    return passes
 
 
 def fused_plan_shape(max_tokens_per_request: int, topk: int, hot_rows: int) -> tuple[int, int] | None:

@@ -108,12 +108,11 @@ class HiSparseScheduling:
             proactive_copy=config.proactive_copy,
         )
         self.hot_rows = config.device_buffer_size
+        assert config.staging_rows is not None
+        self.staging_budget = config.staging_rows
         self.max_model_len = vllm_config.model_config.max_model_len
         self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
         self.num_groups = len(groups)
-        # Chunks scheduled this step whose staging counted their HOST pages: no demotion
-        # may add to those pages before the forward. Cleared when the plan is attached.
-        self._frozen: set[str] = set()
         # Staging blocks leased for this step's chunks (request -> blocks, group-major),
         # until the plan is attached; then each plan's, by step, until its output comes back.
         self._staging: dict[str, list[int]] = {}
@@ -125,7 +124,8 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         self._steps = itertools.count()
         self.staging_rows_leased = 0
-        self.chunks_shortened = 0
+        # Rows of the staging budget the pool could not spare (those chunks took more passes).
+        self.staging_rows_short = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
         # Host prefix hits need page-sized hashes (the hash block is the page).
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
@@ -139,7 +139,6 @@ class HiSparseScheduling:
             import_kind=self.import_kind,
             lease_blocks_for=lambda request: self.residency.lease_blocks_for(self._max_tokens(request)),
             plans_issued=lambda: self.issue_plans,
-            frozen=self._frozen,
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if self.import_kind is ImportKind.LANDS_ON_HOST:
@@ -186,7 +185,7 @@ class HiSparseScheduling:
         protected = self.admissions.hit_block_ids()
         protected.update(b.block_id for group in new_computed_blocks for b in group)
         free_before = self.blocks.num_free_blocks()
-        self.residency.relieve_pressure(num_blocks, protected_blocks=protected, frozen=self._frozen)
+        self.residency.relieve_pressure(num_blocks, protected_blocks=protected)
         if self.blocks.num_free_blocks() - free_before >= num_blocks:
             self.residency.counters.preemptions_avoided += 1
             return True
@@ -194,9 +193,7 @@ class HiSparseScheduling:
 
     def _relieve(self, num_blocks: int) -> None:
         """Relief for this step's own needs (a chunk, its staging), sparing pending hits."""
-        self.residency.relieve_pressure(
-            num_blocks, protected_blocks=self.admissions.hit_block_ids(), frozen=self._frozen
-        )
+        self.residency.relieve_pressure(num_blocks, protected_blocks=self.admissions.hit_block_ids())
 
     def defer_preemption(self, request: Request) -> bool:
         """True when copies or frees about to complete will make room: wait a step instead of
@@ -216,64 +213,52 @@ class HiSparseScheduling:
         return True
 
     def fit_chunk(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """The tokens of `request` this step can compute, with staging rows leased for them.
+        """Lease the staging rows `request`'s chunk of this step may use; the chunk keeps its length.
 
         All query tokens of a step resolve at once. A request's selections this
         step are at most T x top-K distinct rows, or its HOST rows if fewer; what
         its hot buffer cannot hold is staged in blocks leased from the pool for
-        this step only (returned when the step's output comes back). Pressure
-        relief for the chunk's own new blocks runs first, since it may demote
-        the request's own older pages; then the staging is counted, and when the
-        pool cannot spare it, even after demoting other requests' settled pages,
-        the chunk is shortened to what fits (at least hot rows / top-K tokens,
-        which need no staging). A chunk that could need staging freezes its
-        request's residency for the step, so its HOST rows stay what was counted.
+        this step only (returned when the step's output comes back), at most
+        `staging_rows` (`hisparse_config`). A step whose selections need more
+        attends in passes (resolver.py), so the chunk is never shortened: when the
+        pool cannot spare the whole budget, even after demoting other requests'
+        settled pages, the chunk takes what it can (down to none, passes of at most
+        the hot buffer's rows). Pressure relief for the chunk's own new blocks runs
+        first, since it may demote the request's own older pages. The staging is an
+        estimate the resolution does not rely on: pages demoted after it in the same
+        step only add passes.
         """
         self._return_staging(request.request_id)
         if num_new_tokens * self.index_topk <= self.hot_rows or not self.issue_plans:
             return num_new_tokens
-
-        def own_blocks(num_tokens: int) -> int:
-            # The chunk's own new blocks: a page more than it spans, in every group.
-            end = -(-(num_computed_tokens + num_tokens) // self.block_size)
-            return (end - num_computed_tokens // self.block_size + 1) * self.num_groups
-
-        short = own_blocks(num_new_tokens) - self.blocks.num_free_blocks()
+        # The chunk's own new blocks: a page more than it spans, in every group.
+        end = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
+        own_blocks = (end - num_computed_tokens // self.block_size + 1) * self.num_groups
+        short = own_blocks - self.blocks.num_free_blocks()
         if short > 0:
             self._relieve(short)
-        self._frozen.add(request.request_id)
         host_rows = self._host_pages(request.request_id) * self.block_size
-
-        def needed(num_tokens: int) -> int:
-            return own_blocks(num_tokens) + self._staging_blocks(num_tokens, host_rows)
-
-        if not self._staging_blocks(num_new_tokens, host_rows):
+        wanted = self._staging_blocks(num_new_tokens, host_rows)
+        if not wanted or request.request_id in self._unplaced:
+            # After a chunk whose staging left no room for its own blocks: none this time.
             return num_new_tokens
-        if request.request_id in self._unplaced:
-            # Progress first: a chunk that needs no staging rows at all.
-            self.chunks_shortened += 1
-            return min(num_new_tokens, max(1, self.hot_rows // self.index_topk))
-        short = needed(num_new_tokens) - self.blocks.num_free_blocks()
+        short = own_blocks + wanted - self.blocks.num_free_blocks()
         if short > 0:
             self._relieve(short)
-        free = self.blocks.num_free_blocks()
-        if needed(num_new_tokens) > free:
-            # The longest chunk that fits; hot rows / top-K tokens need no staging at all.
-            low, high = max(1, self.hot_rows // self.index_topk), num_new_tokens
-            while low < high:
-                middle = (low + high + 1) // 2
-                low, high = (middle, high) if needed(middle) <= free else (low, middle - 1)
-            num_new_tokens = min(low, num_new_tokens)
-            self.chunks_shortened += 1
-        blocks = self._staging_blocks(num_new_tokens, host_rows)
+        page = len(self.mla_group_ids)
+        spare = max(self.blocks.num_free_blocks() - own_blocks, 0) // page * page
+        blocks = min(wanted, spare)
+        self.staging_rows_short += (wanted - blocks) // page * self.block_size
         if blocks:
             self._staging[request.request_id] = self.blocks.take(blocks)
-            self.staging_rows_leased += blocks // len(self.mla_group_ids) * self.block_size
+            self.staging_rows_leased += blocks // page * self.block_size
         return num_new_tokens
 
     def _staging_blocks(self, num_tokens: int, host_rows: int) -> int:
-        """Blocks (all sparse-MLA groups) to stage what `num_tokens` may select beyond the hot buffer."""
-        rows = min(num_tokens * self.index_topk, host_rows) - self.hot_rows
+        """Blocks (all sparse-MLA groups) to stage what `num_tokens` may select beyond the hot
+        buffer, up to the staging budget (more is resolved in passes)."""
+        selected = min(num_tokens * self.index_topk, host_rows)
+        rows = min(selected - self.hot_rows, self.staging_budget)
         return -(-max(rows, 0) // self.block_size) * len(self.mla_group_ids)
 
     def _host_pages(self, request_id: str) -> int:
@@ -327,7 +312,6 @@ class HiSparseScheduling:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
         self._return_staging(request.request_id)
-        self._frozen.discard(request.request_id)
         self._unplaced.discard(request.request_id)
         self.residency.finish(request.request_id)
 
@@ -346,7 +330,7 @@ class HiSparseScheduling:
         copies = []
         if self.issue_plans:
             # Also in a step that schedules no token: the workers run every step's plan.
-            copies = self.residency.plan_copies(frozen=self._frozen)
+            copies = self.residency.plan_copies()
         for state, n in self.residency.requests_by_state().items():
             self.request_steps[state] += n
         for request_id in scheduler_output.scheduled_spec_decode_tokens:
@@ -371,7 +355,6 @@ class HiSparseScheduling:
         if held:
             self._staging_in_flight[step] = held
         self._unplaced.difference_update(scheduler_output.num_scheduled_tokens)
-        self._frozen.clear()
         self.residency.end_schedule()
         scheduler_output.hisparse_plan = HiSparseStepPlan(
             version=HISPARSE_PLAN_VERSION,
@@ -556,10 +539,10 @@ class HiSparseScheduling:
             copies_in_flight=self.residency.num_copies_in_flight(),
             # Requests ended with an error because HiSparse could not serve them.
             requests_failed=self.requests_failed,
-            # Rows leased for one step to stage misses beyond hot buffers, and chunks
-            # shortened because the pool could not spare them.
+            # Rows leased for one step to stage misses beyond hot buffers, and rows of the
+            # budget the pool could not spare (those chunks took more passes instead).
             staging_rows_leased=self.staging_rows_leased,
-            chunks_shortened=self.chunks_shortened,
+            staging_rows_short=self.staging_rows_short,
             # Rows the workers' resolvers loaded host -> device (hot-buffer misses), and
             # selected non-resident rows already in a hot buffer (hits).
             **self.worker_counts,

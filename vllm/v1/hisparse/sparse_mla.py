@@ -3,13 +3,15 @@
 
 Owns the seam between a sparse-MLA backend and the HiSparse resolution: the
 resolver takes the place of the backend's conversion of top-K positions into
-cache rows, so each layer runs its attention kernel exactly once per step, for
-every token, over rows that hold the right KV.
+cache rows, so each layer runs its attention kernel once per step (once per
+pass when a request selects more rows than its hot and staging rows hold, see
+resolver.py), for every token, over rows that hold the right KV.
 
 - `resolves_through_hisparse` decorates a backend's `forward_mqa`. On a step
   whose batch has a request with HOST pages, for a layer HiSparse manages, it
   names the layer and its cache for the conversion below while the backend's
-  own `forward_mqa` runs; otherwise it only calls it.
+  own `forward_mqa` runs, once per pass, keeping each token's output from its
+  own pass; otherwise it only calls it.
 - `convert_req_index_to_global_index` stands in for upstream's Triton
   conversion in the CUDA backends (patch 0011 imports it under upstream's
   name): upstream's conversion runs first, then, inside a resolving layer,
@@ -41,6 +43,7 @@ class _ResolvingLayer:
     kv_cache: torch.Tensor
     block_size: int
     row_view: RowView
+    pass_index: int = 0
 
 
 # The layer whose forward_mqa is running with HOST pages to resolve, if any.
@@ -73,7 +76,14 @@ def resolves_through_hisparse(row_view: RowView = flat_row_view):
                 resolution, layer.layer_name, kv_c_and_k_pe_cache, attn_metadata.block_size, row_view
             )
             try:
-                return forward_mqa(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer)
+                out = forward_mqa(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer)
+                # The first pass planned the step: more passes when a request's selections
+                # did not fit its hot and staging rows at once.
+                for p in range(1, resolution.num_passes(layer.layer_name)):
+                    _resolving.pass_index = p
+                    again = forward_mqa(impl, q, kv_c_and_k_pe_cache, attn_metadata, layer)
+                    out = _keep_pass(out, again, resolution.pass_of_token(layer.layer_name) == p)
+                return out
             finally:
                 _resolving = None
 
@@ -81,6 +91,18 @@ def resolves_through_hisparse(row_view: RowView = flat_row_view):
         return forward_mqa_resolving
 
     return decorate
+
+
+def _keep_pass(out, again, in_pass: torch.Tensor):
+    """`out` with the rows of the pass's tokens (`in_pass` [T']) taken from `again`; an
+    output's leading dimension is its tokens (padding past T' keeps `out`'s)."""
+    if isinstance(out, tuple):
+        return tuple(_keep_pass(a, b, in_pass) for a, b in zip(out, again, strict=True))
+    if out is None:
+        return None
+    mask = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    mask[: in_pass.shape[0]] = in_pass[: out.shape[0]].to(out.device)
+    return torch.where(mask.view(-1, *([1] * (out.dim() - 1))), again, out)
 
 
 def resolve_selected_rows(
@@ -94,7 +116,7 @@ def resolve_selected_rows(
     kv_rows, stride_rows = layer.row_view(layer.kv_cache, layer.block_size)
     return layer.resolution.resolve_rows(
         layer.layer_name, positions[: rows.shape[0]], batch_rows[: rows.shape[0]], rows, kv_rows, stride_rows,
-        index_stride,
+        index_stride, layer.pass_index,
     )
 
 
