@@ -42,6 +42,11 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
         "The most resolver calls one sparse-MLA layer made in one step so far (1: step-granular).",
         "max_resolver_calls_per_layer_step",
     ),
+    "vllm:hisparse_max_plan_bytes": (
+        "The most bytes one step's resolution plans held at once so far (bounded by "
+        "docs/architecture.md's plan memory formula).",
+        "max_plan_bytes",
+    ),
     "vllm:hisparse_host_pools": (
         "Host pools the engine's ranks write: one per node, shared by its tensor-parallel ranks.",
         "max_host_pools",

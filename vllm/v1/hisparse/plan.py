@@ -36,8 +36,9 @@ DEVICE_COUNTERS = ("rows_loaded", "rows_hit", "rows_staged")
 # (a layer whose request selects more rows than its hot and staging rows hold attends
 # in several), attention kernel calls of managed layers (one per layer and step),
 # steps whose forward ran those layers, steps that resolved, the most resolver calls
-# one layer made in one step, and the host pools the engine's ranks write (one per
-# node they span).
+# one layer made in one step, the most bytes a step's resolution plans held at once
+# (docs/architecture.md, "Plan memory"), and the host pools the engine's ranks write
+# (one per node they span).
 HOST_COUNTERS = (
     "worker_steps",
     "resolution_plans",
@@ -47,6 +48,7 @@ HOST_COUNTERS = (
     "forward_steps",
     "resolving_steps",
     "max_resolver_calls_per_layer_step",
+    "max_plan_bytes",
     "max_host_pools",
 )
 # All of them, and the host's reads of device-produced values. Names starting with

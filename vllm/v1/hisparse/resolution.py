@@ -29,6 +29,7 @@ tables.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ class HiSparseResolution:
         self.mla_group_ids = tuple(sorted(set(self.group_of_layer.values())))
         self.layer_index = {name: i for i, name in enumerate(self.group_of_layer)}
         self.topk_owner = dict(topk_owner)
+        # Per top-K owner, the last of this worker's layers that reads its plans: they are
+        # freed once it has resolved its last pass (decoder layers run in index order).
+        self._last_layer_of_owner: dict[int, str] = {}
+        for name in sorted(self.group_of_layer, key=_layer_index):
+            if name in self.topk_owner:
+                self._last_layer_of_owner[self.topk_owner[name]] = name
         self.block_size = block_size
         self.hot_rows = hot_rows
         self.host_pool = host_pool
@@ -268,21 +275,40 @@ class HiSparseResolution:
         """
         step = self._step()
         owner = self.topk_owner[layer_name]
-        token_requests = step.token_requests(batch_rows)
-        # On CPU the plans cover only the tokens of requests with HOST pages (a prefill
-        # chunk of a resident request would only add entries that resolve in place); on
-        # CUDA they keep the batch's fixed shape, which needs no count read back.
-        tokens = None if positions.is_cuda else step.tokens_with_host_pages(batch_rows, token_requests)
-        if tokens is not None:
-            positions, token_requests = positions[tokens], token_requests[tokens]
+        # The plans cover only the tokens of requests with HOST pages (a decode or a chunk
+        # of a resident request would only add entries that resolve in place). Their
+        # ranges in the batch are known on the host (one non-blocking index copy); where
+        # they are not (a forward outside a scheduled step), CPU tensors find them with a
+        # count and CUDA tensors plan the batch's whole fixed shape.
+        planned = step.planned_tokens(rows.shape[0])
+        if planned is not None:
+            tokens, token_requests = planned
+            if step.plans_whole_batch(rows.shape[0]):
+                tokens = None  # every token is planned, in order: no gather
+            else:
+                positions = positions[tokens]
+        else:
+            token_requests = step.token_requests(batch_rows)
+            tokens = None if positions.is_cuda else step.tokens_with_host_pages(batch_rows, token_requests)
+            if tokens is not None:
+                positions, token_requests = positions[tokens], token_requests[tokens]
         passes = step.passes.get(owner)
         if passes is None:
             passes = step.passes[owner] = self._plan(step, owner, positions, token_requests)
-            pass_of_token = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
-            for p, (pass_tokens, _) in enumerate(passes[1:], start=1):
-                pass_of_token[pass_tokens if tokens is None else tokens[pass_tokens]] = p
-            step.pass_of_token[owner] = pass_of_token
+            step.num_passes[owner] = len(passes)
+            if len(passes) > 1:
+                pass_of_token = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
+                for p, (pass_tokens, _) in enumerate(passes[1:], start=1):
+                    pass_of_token[pass_tokens if tokens is None else tokens[pass_tokens]] = p
+                step.pass_of_token[owner] = pass_of_token
+            step.plan_bytes[owner] = sum(plan_nbytes(plan) for _, plan in passes)
+            step.live_plan_bytes += step.plan_bytes[owner]
+            self.counts["max_plan_bytes"] = max(self.counts["max_plan_bytes"], step.live_plan_bytes)
         pass_tokens, plan = passes[pass_index]
+        if pass_index == len(passes) - 1 and self._last_layer_of_owner.get(owner) == layer_name:
+            # The last layer that reads these plans: they go once its copies are queued.
+            del step.passes[owner]
+            step.live_plan_bytes -= step.plan_bytes.pop(owner)
         group = self.group_of_layer[layer_name]
         leases = self._lease_blocks[group]
         copy_rows = step.slot_rows(group, stride_rows, leases, self.block_size, self.hot_rows)
@@ -355,8 +381,7 @@ class HiSparseResolution:
     def num_passes(self, layer_name: str) -> int:
         """How many passes this step's attention of `layer_name` takes (1 before it resolved)."""
         step = self._step_state
-        passes = step.passes.get(self.topk_owner[layer_name]) if step is not None else None
-        return len(passes) if passes is not None else 1
+        return step.num_passes.get(self.topk_owner[layer_name], 1) if step is not None else 1
 
     def pass_of_token(self, layer_name: str) -> torch.Tensor:
         """[T] the pass each of the layer's query tokens reads its rows in (0: the first)."""
@@ -365,14 +390,23 @@ class HiSparseResolution:
 
     def _step(self) -> _Step:
         if self._step_state is None:
-            batch = self.runner.input_batch.req_id_to_index
-            mixed = [rid for rid in self._with_host_pages if rid in batch]
-            self._step_state = _Step(self, mixed, [batch[rid] for rid in mixed])
+            input_batch = self.runner.input_batch
+            batch = input_batch.req_id_to_index
+            mixed = sorted((rid for rid in self._with_host_pages if rid in batch), key=batch.__getitem__)
+            step = self._step_state = _Step(self, mixed, [batch[rid] for rid in mixed])
             known = [self._num_scheduled_tokens.get(rid) for rid in mixed]
             # Known for every request with HOST pages (from the scheduler), else unknown.
-            self._step_state.max_tokens_per_request = (
-                max(known, default=1) if all(n is not None for n in known) else None
-            )
+            step.max_tokens_per_request = max(known, default=1) if all(n is not None for n in known) else None
+            # The batch lays out each request's tokens in batch order (the runner's
+            # query_start_loc): the ranges of the requests with HOST pages follow from the
+            # scheduler's counts.
+            order = list(getattr(input_batch, "req_ids", ()))
+            counts = [self._num_scheduled_tokens.get(rid) for rid in order]
+            if mixed and order and all(n is not None for n in counts):
+                starts = dict(zip(order, itertools.accumulate([0, *counts[:-1]]), strict=True))
+                step.set_token_ranges(
+                    [(starts[rid], self._num_scheduled_tokens[rid]) for rid in mixed], sum(counts)
+                )
         return self._step_state
 
 
@@ -405,9 +439,41 @@ class _Step:
         # Per top-K owner: (tokens, plan) of each pass, and the pass of every query token.
         self.passes: dict[int, list[tuple[torch.Tensor, ResolutionPlan]]] = {}
         self.pass_of_token: dict[int, torch.Tensor] = {}
+        self.num_passes: dict[int, int] = {}
+        # Bytes of each owner's live plans, and of all of them (freed after the last layer).
+        self.plan_bytes: dict[int, int] = {}
+        self.live_plan_bytes = 0
+        # The tokens of the requests with HOST pages, from ranges known on the host.
+        self._planned: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._planned_end = 0  # one past the last planned token
+        self._batch_tokens = 0
         self.max_tokens_per_request: int | None = None
         # [M]: the error bits each request raised on its own in this step's plans.
         self.request_error: torch.Tensor | None = None
+
+    def set_token_ranges(self, ranges: list[tuple[int, int]], batch_tokens: int) -> None:
+        """(start, tokens) in the batch of each request with HOST pages, in row order."""
+        tokens = [torch.arange(start, start + n, dtype=torch.int64) for start, n in ranges]
+        requests = [torch.full((n,), m, dtype=torch.int64) for m, (_, n) in enumerate(ranges)]
+        index, of_request = torch.cat(tokens), torch.cat(requests)
+        if self._device.type == "cuda":
+            index, of_request = index.pin_memory(), of_request.pin_memory()
+        self._planned = (
+            index.to(self._device, non_blocking=True), of_request.to(self._device, non_blocking=True)
+        )
+        self._planned_end = max((start + n for start, n in ranges), default=0)
+        self._batch_tokens = batch_tokens
+
+    def planned_tokens(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens, their request rows) of the requests with HOST pages among a call's
+        `num_tokens` (the batch's, maybe padded); None where the ranges are unknown."""
+        if self._planned is None or num_tokens < self._batch_tokens or num_tokens < self._planned_end:
+            return None
+        return self._planned
+
+    def plans_whole_batch(self, num_tokens: int) -> bool:
+        """Whether the planned tokens are exactly a call's `num_tokens`, in order."""
+        return self._planned is not None and num_tokens == self._batch_tokens == self._planned[0].shape[0]
 
     def token_requests(self, batch_rows: torch.Tensor) -> torch.Tensor:
         """Each token's request row in this step's tables, -1 for requests without HOST pages."""
@@ -450,6 +516,16 @@ class _Step:
         return found
 
 
+def plan_nbytes(plan: ResolutionPlan) -> int:
+    """Bytes a plan holds (its tensors may share storage, as the fused kernel's do)."""
+    storages = {}
+    for value in vars(plan).values():
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 # The resolution whose step is running in this process, for the attention backends.
 _active: HiSparseResolution | None = None
 
@@ -461,3 +537,48 @@ def active_resolution() -> HiSparseResolution | None:
 def impl_resolves(impl: Any) -> bool:
     """Whether a layer's attention impl resolves HOST pages through HiSparse."""
     return bool(getattr(type(impl).forward_mqa, RESOLVING_MARKER, False))
+
+
+# Bytes of a plan per (token x top-K) entry: two bool masks and five int64 arrays.
+PLAN_BYTES_PER_ENTRY = 42
+# The most that planning (the torch operations, with the gathered selections) or one
+# layer's replay holds beside the live plans, per entry; the CUDA row copy allocates
+# nothing (the CPU reference copy adds its copied rows, see `plan_memory_bound`).
+WORK_BYTES_PER_ENTRY = 48
+
+
+# Bytes planning holds per hot slot of the step's requests (a dozen [M, H] int64 arrays:
+# the held keys, their sort, the LRU order).
+HOT_WORK_BYTES_PER_SLOT = 96
+
+
+def plan_memory_bound(
+    planned_tokens: int,
+    topk: int,
+    num_requests: int,
+    batch_tokens: int,
+    hot_rows: int,
+    copied_rows: int = 0,
+    row_bytes: int = 0,
+) -> int:
+    """The most bytes the resolution allocates at once in one step, beyond its standing
+    state (docs/architecture.md, "Plan memory"). E = planned_tokens x topk entries (the
+    tokens of the step's M requests with HOST pages: their plans are the only ones made),
+    B = batch_tokens x topk (a layer's call: its resolved rows), H = hot_rows. One top-K
+    owner's plans live at a time:
+
+        42 E + 8 M + 32  (the plans)  +  48 E + 96 M H  (planning or replay)  +  8 B
+
+    plus, for the CPU reference copy only, 40 + row_bytes per row it copies in one layer."""
+    entries, batch = planned_tokens * topk, batch_tokens * topk
+    plans = PLAN_BYTES_PER_ENTRY * entries + 8 * num_requests + 32
+    work = WORK_BYTES_PER_ENTRY * entries + HOT_WORK_BYTES_PER_SLOT * num_requests * hot_rows
+    return plans + work + 8 * batch + copied_rows * (40 + row_bytes)
+
+
+def standing_state_bytes(
+    table_rows: int, hot_rows: int, num_owners: int, max_pages: int, lease_pages: int
+) -> int:
+    """Bytes of the resolution's state kept across steps: the host page table, each owner's
+    hot state (positions and stamps) and the lease table, for `table_rows` request rows."""
+    return table_rows * (8 * max_pages + 16 * hot_rows * num_owners + 8 * lease_pages)

@@ -208,40 +208,53 @@ def plan_resolution(
         if out_of_bounds:
             token_requests = torch.where(token_requests < num_requests, token_requests, -1)
             table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
+    # Temporaries are dropped as soon as they are used: on the torch path the peak beside
+    # the plan is a few [T * K] int64 arrays (docs/architecture.md, "Plan memory").
     entry_request = token_requests.unsqueeze(1).expand(num_tokens, topk)
     page = pos.clamp(min=0) // block_size
-    candidate = (pos >= 0) & (entry_request >= 0) & (page < num_pages)
-    host_page = host_page_table[table_rows[entry_request.clamp(min=0)], page.clamp(max=max(num_pages - 1, 0))]
-    on_host = candidate & (host_page >= 0)
+    on_host = (pos >= 0) & (entry_request >= 0) & (page < num_pages)
+    page.clamp_(max=max(num_pages - 1, 0))
+    on_host &= host_page_table[table_rows[entry_request.clamp(min=0)], page] >= 0
+    del page
     entry_request = torch.where(on_host, entry_request, 0)
 
     # The distinct (request, position) keys on HOST pages, ascending; the rest sort last.
     sentinel = num_requests * KEY_STRIDE
     key = torch.where(on_host, entry_request * KEY_STRIDE + pos, sentinel).flatten()
+    del pos
     sorted_key, order = torch.sort(key)
+    del key
     first = torch.ones_like(sorted_key, dtype=torch.bool)
     first[1:] = sorted_key[1:] != sorted_key[:-1]
     first &= sorted_key != sentinel
     distinct_of_sorted = torch.cumsum(first, 0) - 1
     unique_key = torch.full((num_entries + 1,), sentinel, dtype=torch.int64, device=device)
     unique_key.scatter_(0, torch.where(first, distinct_of_sorted, num_entries), sorted_key)
+    del first, sorted_key
     unique_key = unique_key[:num_entries]
+    # Back to entry order: each entry's distinct row (the sort's order is no longer needed).
+    distinct_of_entry = torch.empty_like(distinct_of_sorted)
+    distinct_of_entry[order] = distinct_of_sorted
+    del order, distinct_of_sorted
+    distinct_of_entry.clamp_(min=0)
     valid = unique_key != sentinel
-    request = torch.where(valid, unique_key // KEY_STRIDE, 0)
-    position = torch.where(valid, unique_key % KEY_STRIDE, 0)
 
     # Hits: a held position of the same request.
     held = hot.positions.flatten()
     held_request = torch.arange(num_requests, device=device).repeat_interleave(hot_slots)
     held_key = torch.where(held >= 0, held_request * KEY_STRIDE + held, sentinel + 1)
     sorted_held, held_order = torch.sort(held_key)
-    at = torch.searchsorted(sorted_held, unique_key).clamp(max=max(held.numel() - 1, 0))
     if held.numel():
+        at = torch.searchsorted(sorted_held, unique_key).clamp_(max=held.numel() - 1)
         hit = valid & (sorted_held[at] == unique_key)
         hit_flat = held_order[at]
+        del at
     else:
         hit = torch.zeros_like(valid)
         hit_flat = torch.zeros_like(unique_key)
+    request = torch.where(valid, unique_key // KEY_STRIDE, 0)
+    position = torch.where(valid, unique_key % KEY_STRIDE, 0)
+    del unique_key
     dummy = num_requests * hot_slots
     selected = torch.zeros(dummy + 1, dtype=torch.bool, device=device)
     selected[torch.where(hit, hit_flat, dummy)] = True
@@ -258,20 +271,22 @@ def plan_resolution(
     misses_per_request = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
     misses_per_request.scatter_add_(0, torch.where(miss, request, num_requests), miss.long())
     miss_start = torch.cumsum(misses_per_request, 0) - misses_per_request
-    rank = torch.cumsum(miss.long(), 0) - 1 - miss_start[request]
-    eligible = num_eligible[request]
-    to_hot = miss & (rank < eligible)
-    staged_rank = rank - eligible
-    overflow = miss & ~to_hot & (staged_rank >= staging_slots.long()[request])
+    rank = torch.cumsum(miss.long(), 0)
+    rank -= 1 + miss_start[request]
+    rank -= num_eligible[request]  # from here: the rank among the request's staged misses
+    to_hot = miss & (rank < 0)
+    overflow = miss & ~to_hot & (rank >= staging_slots.long()[request])
     if hot_slots:
-        hot_slot = lru_order[request, rank.clamp(min=0, max=hot_slots - 1)]
+        slot = lru_order[request, (rank + num_eligible[request]).clamp_(min=0, max=hot_slots - 1)]
     else:
-        hot_slot = torch.zeros_like(rank)
-    miss_slot = torch.where(to_hot, hot_slot, hot_slots + staged_rank)
-    slot = torch.where(hit, hit_flat % max(hot_slots, 1), miss_slot)
+        slot = torch.zeros_like(rank)
+    slot = torch.where(to_hot, slot, hot_slots + rank)
+    del rank
+    slot = torch.where(hit, hit_flat % max(hot_slots, 1), slot)
+    del hit_flat
     # Slot 0 for what has no slot (padding past the distinct rows, an overflowing miss,
     # counted in `error`), so every gather by slot stays in bounds.
-    slot = torch.where((hit | miss) & ~overflow, slot, 0)
+    slot.masked_fill_(~(hit | miss) | overflow, 0)
 
     # The hot state after this step.
     flat = torch.where(hit | to_hot, request * hot_slots + slot, dummy)
@@ -279,19 +294,17 @@ def plan_resolution(
     stamps[flat] = step
     positions_after = torch.cat([held, held.new_zeros(1)])
     positions_after[torch.where(to_hot, flat, dummy)] = position
+    del flat
     hot.stamps.copy_(stamps[:dummy].view_as(hot.stamps))
     hot.positions.copy_(positions_after[:dummy].view_as(hot.positions))
 
-    # Back to entry order.
-    distinct_of_entry = torch.empty_like(distinct_of_sorted)
-    distinct_of_entry[order] = distinct_of_sorted
-    distinct_of_entry = distinct_of_entry.clamp(min=0).view(num_tokens, topk)
-    entry_slot = torch.where(on_host, slot[distinct_of_entry], 0)
+    entry_slot = torch.where(on_host, slot[distinct_of_entry.view(num_tokens, topk)], 0)
+    del distinct_of_entry
 
     load = miss & ~overflow
     staged = load & ~to_hot
     last_page = max(num_pages - 1, 0)
-    source_page = host_page_table[table_rows[request], (position // block_size).clamp(max=last_page)]
+    source_page = host_page_table[table_rows[request], (position // block_size).clamp_(max=last_page)]
     not_in_pool = load & (source_page < 0)
     error = (
         overflow.any().long() * ERROR_STAGING_OVERFLOW
@@ -305,15 +318,19 @@ def plan_resolution(
     missing = torch.zeros_like(overflowed).scatter_add_(0, request, not_in_pool.long())
     request_error = (overflowed > 0).long() * ERROR_STAGING_OVERFLOW
     request_error += (missing > 0).long() * ERROR_NOT_IN_HOST_POOL
+    load &= ~not_in_pool
+    load_host_row = source_page.clamp_(min=0) * block_size
+    del source_page
+    load_host_row += position % block_size
     return ResolutionPlan(
         on_host=on_host,
         entry_request=entry_request,
         entry_slot=entry_slot,
-        load=load & ~not_in_pool,
-        load_request=torch.where(valid, request, 0),
+        load=load,
+        load_request=request,
         load_slot=slot,
-        load_host_row=source_page.clamp(min=0) * block_size + position % block_size,
-        counts=torch.stack([(load & ~not_in_pool).sum(), hit.sum(), (staged & ~not_in_pool).sum()]),
+        load_host_row=load_host_row,
+        counts=torch.stack([load.sum(), hit.sum(), (staged & ~not_in_pool).sum()]),
         error=error,
         request_error=request_error,
     )

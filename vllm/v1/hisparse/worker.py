@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.config.hisparse import RESOLVING_BACKENDS, SPARSE_MLA_PAGE_TOKENS, host_pool_pages, plans_executable
+from vllm.config.hisparse import (
+    RESOLVING_BACKENDS,
+    SPARSE_MLA_PAGE_TOKENS,
+    host_pool_pages,
+    plans_executable,
+    sparse_mla_index_topk,
+)
 from vllm.logger import init_logger
 from vllm.v1.hisparse.host_memory import HostPoolMemory
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_group_ids
@@ -49,6 +55,8 @@ from vllm.v1.hisparse.resolution import (
     HiSparseResolution,
     StepRequestErrors,
     impl_resolves,
+    plan_memory_bound,
+    standing_state_bytes,
     topk_owner_of_layer,
 )
 from vllm.v1.hisparse.resolver import check_resolution_error, describe_resolution_error
@@ -307,6 +315,41 @@ def _empty_output():
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     return EMPTY_MODEL_RUNNER_OUTPUT
+
+
+def profile_reserve(runner: Any) -> torch.Tensor | None:
+    """What vLLM's memory profile must see of the resolution, held across its dummy forward.
+
+    The profiled forward resolves nothing (no request has HOST pages), so the bytes a
+    serving step's plans hold beside the forward's activations (`plan_memory_bound` at
+    `max_num_batched_tokens` tokens, all of requests with HOST pages) and the state the
+    resolution keeps for `max_num_seqs` requests (`standing_state_bytes`) would come out
+    of the KV cache's margin unseen. Allocating them for the profiled forward makes the
+    KV cache that much smaller instead. None without hisparse_config or a DSA model.
+    """
+    vllm_config = runner.vllm_config
+    config = vllm_config.attention_config.hisparse_config
+    topk = sparse_mla_index_topk(vllm_config)
+    if config is None or topk is None or not plans_executable():
+        return None
+    context = vllm_config.compilation_config.static_forward_context
+    owners = sum(1 for name in context if name.endswith(INDEXER_LAYER_SUFFIX))
+    if not owners:
+        return None
+    hot_rows = config.device_buffer_size or 2 * topk
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    requests = vllm_config.scheduler_config.max_num_seqs
+    rows = 1 << max(requests - 1, 7).bit_length()  # the tables grow by doubling from 8 rows
+    max_pages = -(-vllm_config.model_config.max_model_len // SPARSE_MLA_PAGE_TOKENS)
+    lease_pages = -(-hot_rows // SPARSE_MLA_PAGE_TOKENS)
+    nbytes = plan_memory_bound(tokens, topk, requests, tokens, hot_rows) + standing_state_bytes(
+        rows, hot_rows, owners, max_pages, lease_pages
+    )
+    logger.info(
+        "Hybrid HiSparse: the memory profile holds %.2f GiB for the resolver (a step's plans at "
+        "%d tokens x top-K %d, and its state for %d requests)", nbytes / (1 << 30), tokens, topk, requests,
+    )
+    return torch.empty(nbytes, dtype=torch.uint8, device=runner.device)
 
 
 def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> HiSparseWorker | None:
