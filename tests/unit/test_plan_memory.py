@@ -165,11 +165,11 @@ def test_the_memory_profile_holds_the_resolvers_bound_across_its_dummy_forward(m
     assert reserve["ref"]() is None, "the reserve is released once the profile has its peak"
 
 
-def test_profile_reserve_is_the_plan_bound_and_the_standing_state_for_the_configured_batch():
+def test_the_profile_reserve_is_the_plan_bound_and_the_standing_state_for_the_configured_batch():
     from scheduler_harness import HISPARSE, make_vllm_config
 
     from vllm.v1.hisparse.resolution import standing_state_bytes
-    from vllm.v1.hisparse.worker import profile_reserve
+    from vllm.v1.hisparse.worker import profile_reserve, profile_reserve_bytes
 
     def runner_for(attention_config):
         config = make_vllm_config(
@@ -182,12 +182,12 @@ def test_profile_reserve_is_the_plan_bound_and_the_standing_state_for_the_config
             context[f"model.layers.{i}.self_attn.attn"] = None
         return SimpleNamespace(vllm_config=config, device=torch.device("cpu"))
 
-    assert profile_reserve(runner_for(None)) is None, "nothing is held without hisparse_config"
+    assert profile_reserve_bytes(runner_for(None).vllm_config) is None, "nothing without hisparse_config"
     runner = runner_for(HISPARSE)
     hf = runner.vllm_config.model_config.hf_text_config
     hot_rows = runner.vllm_config.attention_config.hisparse_config.device_buffer_size
-    reserve = profile_reserve(runner)
     expected = plan_memory_bound(1024, hf.index_topk, 16, 1024, hot_rows) + standing_state_bytes(
         16, hot_rows, 6, 4096 // 64, -(-hot_rows // 64)
     )
-    assert reserve is not None and reserve.numel() == expected
+    assert profile_reserve_bytes(runner.vllm_config) == expected
+    assert profile_reserve(runner) is None, "the CPU KV cache is not sized by a profile: nothing held"

@@ -321,13 +321,23 @@ def profile_reserve(runner: Any) -> torch.Tensor | None:
     """What vLLM's memory profile must see of the resolution, held across its dummy forward.
 
     The profiled forward resolves nothing (no request has HOST pages), so the bytes a
-    serving step's plans hold beside the forward's activations (`plan_memory_bound` at
-    `max_num_batched_tokens` tokens, all of requests with HOST pages) and the state the
-    resolution keeps for `max_num_seqs` requests (`standing_state_bytes`) would come out
-    of the KV cache's margin unseen. Allocating them for the profiled forward makes the
-    KV cache that much smaller instead. None without hisparse_config or a DSA model.
+    serving step's plans hold beside the forward's activations and the resolution's
+    standing state (`profile_reserve_bytes`) would come out of the KV cache's margin
+    unseen. Allocating them for the profiled forward makes the KV cache that much smaller
+    instead. None without hisparse_config or a DSA model, and on CPU, where the KV cache
+    is sized by `VLLM_CPU_KVCACHE_SPACE`, not by a profile (its warm-up also runs it).
     """
-    vllm_config = runner.vllm_config
+    nbytes = profile_reserve_bytes(runner.vllm_config)
+    if nbytes is None or torch.device(runner.device).type == "cpu":
+        return None
+    logger.info("Hybrid HiSparse: the memory profile holds %.2f GiB for the resolver", nbytes / (1 << 30))
+    return torch.empty(nbytes, dtype=torch.uint8, device=runner.device)
+
+
+def profile_reserve_bytes(vllm_config: Any) -> int | None:
+    """`plan_memory_bound` at `max_num_batched_tokens` tokens, all of requests with HOST
+    pages, plus `standing_state_bytes` for `max_num_seqs` requests (docs/architecture.md,
+    "Plan memory"); None without hisparse_config or a DSA model."""
     config = vllm_config.attention_config.hisparse_config
     topk = sparse_mla_index_topk(vllm_config)
     if config is None or topk is None or not plans_executable():
@@ -342,14 +352,9 @@ def profile_reserve(runner: Any) -> torch.Tensor | None:
     rows = 1 << max(requests - 1, 7).bit_length()  # the tables grow by doubling from 8 rows
     max_pages = -(-vllm_config.model_config.max_model_len // SPARSE_MLA_PAGE_TOKENS)
     lease_pages = -(-hot_rows // SPARSE_MLA_PAGE_TOKENS)
-    nbytes = plan_memory_bound(tokens, topk, requests, tokens, hot_rows) + standing_state_bytes(
+    return plan_memory_bound(tokens, topk, requests, tokens, hot_rows) + standing_state_bytes(
         rows, hot_rows, owners, max_pages, lease_pages
     )
-    logger.info(
-        "Hybrid HiSparse: the memory profile holds %.2f GiB for the resolver (a step's plans at "
-        "%d tokens x top-K %d, and its state for %d requests)", nbytes / (1 << 30), tokens, topk, requests,
-    )
-    return torch.empty(nbytes, dtype=torch.uint8, device=runner.device)
 
 
 def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> HiSparseWorker | None:
