@@ -64,13 +64,16 @@ class Shape:
     output_tokens: int
 
     @classmethod
-    def scaled(cls, scale: float, turns: int) -> Shape:
+    def scaled(cls, scale: float, turns: int, first_turn_tokens: int | None = None) -> Shape:
+        """The announcement's session times `scale`; `first_turn_tokens` replaces the first
+        turn's scaled length (later turns at full size without a 74K-token first turn)."""
+
         def tokens(n: int) -> int:
             return max(MIN_TURN_TOKENS, round(n * scale))
 
         return cls(
             turns=turns,
-            first_turn_tokens=tokens(FULL_SHAPE["first_turn_tokens"]),
+            first_turn_tokens=first_turn_tokens or tokens(FULL_SHAPE["first_turn_tokens"]),
             turn_tokens=tokens(FULL_SHAPE["turn_tokens"]),
             output_tokens=tokens(FULL_SHAPE["output_tokens"]),
         )
@@ -318,6 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=QUICK["scale"],
                         help="token counts of the announcement's sessions times this (default 1/40; "
                              f"each turn keeps at least {MIN_TURN_TOKENS} tokens)")
+    parser.add_argument("--first-turn-tokens", type=int, default=None,
+                        help="the first turn's tokens instead of its scaled length (e.g. later turns of "
+                             "256 tokens, --scale 0.34, without a 25K-token first turn)")
     parser.add_argument("--turns", type=int, default=QUICK["turns"],
                         help="turns per session (default 4; the announcement's 13)")
     parser.add_argument("--concurrency", default=QUICK["concurrency"],
@@ -348,9 +354,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     if min(args.concurrency) < 1 or args.turns < 1 or args.repeats < 1:
         parser.error("--concurrency, --turns and --repeats must be >= 1")
+    if args.first_turn_tokens is not None and args.first_turn_tokens < MIN_TURN_TOKENS:
+        parser.error(f"--first-turn-tokens must be >= {MIN_TURN_TOKENS}")
     if args.scale <= 0 or args.host_pool_gib <= 0:
         parser.error("--scale and --host-pool-gib must be > 0")
-    shape = Shape.scaled(args.scale, args.turns)
+    shape = Shape.scaled(args.scale, args.turns, args.first_turn_tokens)
     # Room for one whole session, rounded up to whole 64-token pages.
     args.max_model_len = -(-shape.max_session_tokens() // 64) * 64
     return args
@@ -358,7 +366,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    shape = Shape.scaled(args.scale, args.turns)
+    shape = Shape.scaled(args.scale, args.turns, args.first_turn_tokens)
     model = tiny_models.tiny_model_dir(MODEL, CACHE / "tiny-models")
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"Agentic benchmark: {shape.turns} turns, first turn {shape.first_turn_tokens} tokens, later turns "

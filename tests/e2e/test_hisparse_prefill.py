@@ -66,4 +66,8 @@ def test_a_long_prefill_over_host_pages_keeps_whole_chunks_and_exact_tokens(mode
     assert stats["extra_attention_passes"] > 0, "chunks whose selections exceeded their rows took passes"
     assert stats["max_resolver_calls_per_layer_step"] > 1
     assert stats["staging_rows_leased"] > 0
+    # The plans held only the chunk's tokens (the request has host pages; 42 bytes per
+    # token x top-K, and 40 bytes of counters and error words per pass).
+    passes = stats["max_resolver_calls_per_layer_step"]
+    assert 0 < stats["max_plan_bytes"] <= 42 * CHUNK * TOP64.index_topk + 40 * passes
     assert tokens == ref_tokens

@@ -171,23 +171,25 @@ def test_the_profile_reserve_is_the_plan_bound_and_the_standing_state_for_the_co
     from vllm.v1.hisparse.resolution import standing_state_bytes
     from vllm.v1.hisparse.worker import profile_reserve, profile_reserve_bytes
 
-    def runner_for(attention_config):
-        config = make_vllm_config(
+    def config_with(attention_config):
+        return make_vllm_config(
             max_model_len=4096, max_num_batched_tokens=1024, max_num_seqs=16,
             attention_config=attention_config,
         )
-        context = config.compilation_config.static_forward_context
-        for i in range(6):  # the tiny GLM-5's layers, each with its own indexer
-            context[f"model.layers.{i}.self_attn.indexer.k_cache"] = None
-            context[f"model.layers.{i}.self_attn.attn"] = None
-        return SimpleNamespace(vllm_config=config, device=torch.device("cpu"))
 
-    assert profile_reserve_bytes(runner_for(None).vllm_config) is None, "nothing without hisparse_config"
-    runner = runner_for(HISPARSE)
-    hf = runner.vllm_config.model_config.hf_text_config
-    hot_rows = runner.vllm_config.attention_config.hisparse_config.device_buffer_size
-    expected = plan_memory_bound(1024, hf.index_topk, 16, 1024, hot_rows) + standing_state_bytes(
-        16, hot_rows, 6, 4096 // 64, -(-hot_rows // 64)
-    )
-    assert profile_reserve_bytes(runner.vllm_config) == expected
+    assert profile_reserve_bytes(config_with(None), 6) is None, "nothing without hisparse_config"
+    config = config_with(HISPARSE)
+    hf = config.model_config.hf_text_config
+    hot_rows = config.attention_config.hisparse_config.device_buffer_size
+
+    def expected(requests, rows):
+        return plan_memory_bound(1024, hf.index_topk, requests, 1024, hot_rows) + standing_state_bytes(
+            rows, hot_rows, 6, 4096 // 64, -(-hot_rows // 64)
+        )
+
+    # max_num_seqs requests, the tables' rows rounded up as they grow (from 8, doubling).
+    assert profile_reserve_bytes(config, 6) == expected(16, 16)
+    # Fewer when the memory can hold fewer hot leases.
+    assert profile_reserve_bytes(config, 6, max_leases=5) == expected(5, 8)
+    runner = SimpleNamespace(vllm_config=config, device=torch.device("cpu"))
     assert profile_reserve(runner) is None, "the CPU KV cache is not sized by a profile: nothing held"

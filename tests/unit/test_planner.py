@@ -373,3 +373,55 @@ def test_a_model_len_that_starts_nowhere_fails_naming_the_longest_that_does(caps
     assert "Hybrid HiSparse capacity plan" in out
     assert "--max-model-len 1,048,576 starts in no configuration" in err
     assert "Lower --max-model-len" in err
+
+
+@pytest.mark.parametrize("preset", ["glm-5.3", "glm-5.2"])
+def test_the_glm53_preset_shares_indexers_reaches_1m_positions_and_carries_mtp_and_fp8(preset):
+    data, label = planner.read_model_config(preset)
+    config = GlmMoeDsaConfig(**{k: v for k, v in data.items() if k != "quantization_config"})
+    assert preset in label
+    assert config.num_hidden_layers == 78 and config.index_topk == 2048
+    assert data["max_position_embeddings"] == 1_048_576
+    assert data["num_nextn_predict_layers"] == 1
+    assert planner.weights_dtype_of(data, "auto") == "fp8"
+    with_indexer = [i for i in range(78) if layer_has_indexer(config, i)]
+    assert len(with_indexer) == 21, "one indexer per four layers: 21 of 78"
+    assert with_indexer[:3] == [0, 1, 5] and with_indexer[-1] == 77
+    # Everything else is GLM-5's.
+    glm5, _ = planner.read_model_config(GLM5_PRESET)
+    changed = {k for k in data if data[k] != glm5.get(k)}
+    assert changed == {
+        "index_topk_freq", "index_skip_topk_offset", "max_position_embeddings", "num_nextn_predict_layers",
+        "quantization_config",
+    }
+
+
+def test_glm53_at_1m_on_the_announcements_node_starts_only_with_hybrid_and_pays_for_the_resolver():
+    request = PlanRequest(
+        **{**ANNOUNCEMENT, "model": "glm-5.3", "weights_dtype": "auto", "max_model_len": MILLION,
+           "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
+    )
+    result = plan(request)
+    assert result.num_indexer_layers == 21 and result.max_model_len == MILLION
+    assert [c.starts for c in result.configurations] == [False, False, True]
+    none, hybrid = result.configuration("none"), result.configuration("hybrid")
+    # The memory profile holds the resolver's plans and state: hybrid's KV cache is that much smaller.
+    assert hybrid.kv_cache_bytes < none.kv_cache_bytes
+    assert any("the resolver's per-step plans" in note for note in result.notes)
+    assert hybrid.running_sessions > 3 * none.running_sessions
+
+
+def test_a_hugging_face_id_is_read_from_the_local_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    glm5, _ = planner.read_model_config(GLM5_PRESET)
+    snapshot = tmp_path / "models--zai-org--GLM-5" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(glm5))
+    (tmp_path / "models--zai-org--GLM-5" / "refs").mkdir()
+    (tmp_path / "models--zai-org--GLM-5" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    data, label = planner.read_model_config("zai-org/GLM-5")
+    assert data == json.loads(json.dumps(glm5)) and label == str(snapshot / "config.json")
+    with pytest.raises(PlannerError, match="not in the local Hugging Face cache.*huggingface-cli download"):
+        planner.read_model_config("zai-org/GLM-5.3")

@@ -64,6 +64,10 @@ if TYPE_CHECKING:
 
 GiB = 1 << 30
 GLM5_PRESET = "glm-5"
+# GLM-5.2 and GLM-5.3: GLM-5's architecture (GlmMoeDsaForCausalLM) with shared indexers
+# and a 1M-token context; see `glm53_preset_config`.
+GLM53_PRESETS = ("glm-5.3", "glm-5.2")
+PRESETS = (*GLM53_PRESETS, GLM5_PRESET)
 # The announcement's agentic sessions are admitted up to 142K tokens (read as
 # 142,000): a session is counted at the largest context it may reach.
 DEFAULT_SESSION_TOKENS = 142_000
@@ -207,17 +211,82 @@ def glm5_preset_config() -> dict[str, Any]:
     return data
 
 
+def glm53_preset_config() -> dict[str, Any]:
+    """GLM-5.3's (and GLM-5.2's) shapes: GLM-5's, with the figures below changed.
+
+    The sources, figure by figure:
+    - index_topk_freq 4: GLM-5.2/5.3 share one indexer among four layers (IndexCache),
+      about 21 indexer layers of 78 (this project's announcement and capacity issue).
+    - index_skip_topk_offset 2: an assumption. It is vLLM 0.29.0's default for GLM's
+      sharing (layers 0 and 1, then every fourth from layer 1: 21 of 78 layers), the one
+      that gives the published count; pass the checkpoint's config.json to use its own.
+    - max_position_embeddings 1,048,576: the 1M-token context of the announcement.
+    - num_nextn_predict_layers 1: one MTP layer, as GLM-5's checkpoints ship (the
+      announcement runs MTP with three speculative tokens).
+    - quantization_config fp8, 128 x 128 weight blocks: the FP8 checkpoint the
+      announcement serves; an assumption where its config is not at hand.
+    - everything else (78 layers, hidden 6144, 256 routed experts of 2048, MLA with
+      kv_lora_rank 512 and rope 64, index_topk 2048, an indexer of 32 x 128): assumed
+      equal to GLM-5's, `glm5_preset_config`, since the architecture is the same.
+    """
+    data = glm5_preset_config()
+    data.update(
+        index_topk_freq=4,
+        index_skip_topk_offset=2,
+        max_position_embeddings=1_048_576,
+        num_nextn_predict_layers=1,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    )
+    # transformers' per-layer lists describe GLM-5 (an indexer in every layer): vLLM 0.29.0
+    # builds the layers from index_topk_freq and the offset, so they are left out.
+    data.pop("indexer_types", None)
+    return data
+
+
+def hugging_face_cached_config(model: str) -> Path | None:
+    """config.json of a Hugging Face model id ("org/name") in the local cache, if there."""
+    if model.count("/") != 1 or model.startswith((".", "/")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a valid repository id
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
 def read_model_config(model: str) -> tuple[dict[str, Any], str]:
-    """(config.json's content, a label) for a model directory, a config.json or the preset."""
+    """(config.json's content, a label) for a model directory, a config.json, a Hugging Face
+    id in the local cache, or a preset."""
     if model == GLM5_PRESET:
         return glm5_preset_config(), "glm-5 (transformers GlmMoeDsaConfig defaults)"
+    if model in GLM53_PRESETS:
+        return glm53_preset_config(), f"{model} (GLM-5's shapes, 21 shared indexers, 1M positions, MTP, FP8)"
     path = Path(model)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise PlannerError(
-            f"--model {model}: no config.json at {file}; pass a model directory holding "
-            f"config.json, the config.json file itself, or --model {GLM5_PRESET}"
-        )
+        cached = hugging_face_cached_config(model)
+        if cached is None:
+            where = (
+                f"{model} is not in the local Hugging Face cache (fetch its config with "
+                f"`huggingface-cli download {model} config.json`)"
+                if model.count("/") == 1 and not path.exists()
+                else f"no config.json at {file}"
+            )
+            raise PlannerError(
+                f"--model {model}: {where}; pass a model directory holding config.json, the "
+                f"config.json file itself, a Hugging Face id in the local cache, or one of "
+                f"{', '.join(PRESETS)}"
+            )
+        file = cached
     try:
         data = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as bad:
@@ -713,6 +782,26 @@ def kv_cache_bytes_per_gpu(request: PlanRequest, weights: WeightsEstimate | None
     return left
 
 
+def resolver_reserve_bytes(
+    request: PlanRequest, vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], kv_bytes: int
+) -> int:
+    """What `profile_run` holds for HiSparse's resolver (`worker.profile_reserve`), so the
+    KV cache comes out that much smaller; 0 with --kv-cache-memory-bytes (no profile)."""
+    from vllm.v1.hisparse.worker import profile_reserve_bytes
+
+    if request.kv_cache_memory_bytes is not None:
+        return 0
+    hisparse = vllm_config.attention_config.hisparse_config
+    assert hisparse is not None and hisparse.device_buffer_size is not None
+    owners = sum(1 for name in specs if name.endswith(INDEXER_LAYER_SUFFIX))
+    row_bytes = sum(
+        spec.page_size_bytes // spec.block_size for name, spec in specs.items()
+        if not name.endswith(INDEXER_LAYER_SUFFIX)
+    )
+    leases = kv_bytes // max(hisparse.device_buffer_size * row_bytes, 1)
+    return profile_reserve_bytes(vllm_config, owners, leases) or 0
+
+
 def _describe(request: PlanRequest, name: Configuration) -> str:
     if name == "none":
         return "preemption only"
@@ -887,7 +976,14 @@ def plan(request: PlanRequest) -> Plan:
         plans = []
         for name, vllm_config in configs.items():
             specs = layer_kv_cache_specs(vllm_config, request.attention_backend)
-            plans.append(plan_configuration(request, name, vllm_config, specs, kv_bytes))
+            reserve = 0 if name != "hybrid" else resolver_reserve_bytes(request, vllm_config, specs, kv_bytes)
+            if reserve:
+                notes.append(
+                    f"hybrid: the resolver's per-step plans and standing state take {_gib(reserve)} per "
+                    "GPU from the KV cache (vLLM's memory profile holds them; docs/architecture.md, "
+                    '"Plan memory")'
+                )
+            plans.append(plan_configuration(request, name, vllm_config, specs, kv_bytes - reserve))
         hybrid = configs["hybrid"]
         sparse = [s for n, s in specs.items() if not n.endswith(INDEXER_LAYER_SUFFIX)]
         indexers = [s for n, s in specs.items() if n.endswith(INDEXER_LAYER_SUFFIX)]
@@ -1090,7 +1186,7 @@ def argument_parser() -> argparse.ArgumentParser:
             "each starts; whether --max-model-len starts. Takes vllm serve's flags."
         ),
         epilog=(
-            f"Example (the announcement's node): --model {GLM5_PRESET} --weights-dtype fp8 -tp 8 "
+            "Example (the announcement's node): --model glm-5.3 -tp 8 "
             "--gpu-memory-gib 141 --kv-cache-dtype fp8 --max-model-len 1048576 "
             '--attention-config \'{"hisparse_config":{"host_pool_gib":384}}\' '
             '--kv-transfer-config \'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
@@ -1101,8 +1197,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", help="model directory or config.json (as --model)")
     parser.add_argument(
         "--model",
-        help=f"a model directory holding config.json, a config.json, or {GLM5_PRESET!r} "
-        "(transformers' GlmMoeDsaConfig defaults)",
+        help="a model directory holding config.json, a config.json, a Hugging Face id in the local "
+        f"cache, or a preset: {', '.join(PRESETS)} (GLM-5.3's shapes; glm-5: transformers' "
+        "GlmMoeDsaConfig defaults)",
     )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--max-model-len", type=_human_int, help="as vllm serve (default: the config's)")
@@ -1163,7 +1260,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     model = args.model or args.model_tag
     if not model:
         raise PlannerError(
-            f"name the model: --model /path/to/model (or its config.json) or --model {GLM5_PRESET}"
+            "name the model: --model /path/to/model (or its config.json), a Hugging Face id in the "
+            f"local cache, or a preset ({', '.join(PRESETS)})"
         )
     attention_config = parse_json_flag("--attention-config", args.attention_config)
     kv_transfer = None

@@ -327,33 +327,48 @@ def profile_reserve(runner: Any) -> torch.Tensor | None:
     instead. None without hisparse_config or a DSA model, and on CPU, where the KV cache
     is sized by `VLLM_CPU_KVCACHE_SPACE`, not by a profile (its warm-up also runs it).
     """
-    nbytes = profile_reserve_bytes(runner.vllm_config)
-    if nbytes is None or torch.device(runner.device).type == "cpu":
+    if torch.device(runner.device).type == "cpu":
+        return None
+    specs = runner.get_kv_cache_spec()
+    owners = sum(1 for name in specs if name.endswith(INDEXER_LAYER_SUFFIX))
+    row_bytes = sum(
+        spec.page_size_bytes // spec.block_size for name, spec in specs.items()
+        if not name.endswith(INDEXER_LAYER_SUFFIX)
+    )
+    # At most as many requests hold a hot lease as the memory left after the weights holds.
+    _, total = torch.cuda.mem_get_info(runner.device)
+    utilization = runner.vllm_config.cache_config.gpu_memory_utilization
+    left = total * utilization - torch.cuda.memory_allocated(runner.device)
+    config = runner.vllm_config.attention_config.hisparse_config
+    hot_rows = config.device_buffer_size if config is not None and config.device_buffer_size else 1
+    leases = int(left // max(hot_rows * row_bytes, 1))
+    nbytes = profile_reserve_bytes(runner.vllm_config, owners, leases)
+    if nbytes is None:
         return None
     logger.info("Hybrid HiSparse: the memory profile holds %.2f GiB for the resolver", nbytes / (1 << 30))
     return torch.empty(nbytes, dtype=torch.uint8, device=runner.device)
 
 
-def profile_reserve_bytes(vllm_config: Any) -> int | None:
+def profile_reserve_bytes(vllm_config: Any, num_owners: int, max_leases: int | None = None) -> int | None:
     """`plan_memory_bound` at `max_num_batched_tokens` tokens, all of requests with HOST
-    pages, plus `standing_state_bytes` for `max_num_seqs` requests (docs/architecture.md,
-    "Plan memory"); None without hisparse_config or a DSA model."""
+    pages, plus `standing_state_bytes`, for `num_owners` top-K owners (indexer layers) and
+    as many requests as may hold a hot lease: `max_num_seqs`, or `max_leases` if fewer
+    (docs/architecture.md, "Plan memory"). None without hisparse_config, a DSA model or
+    an indexer layer."""
     config = vllm_config.attention_config.hisparse_config
     topk = sparse_mla_index_topk(vllm_config)
-    if config is None or topk is None or not plans_executable():
-        return None
-    context = vllm_config.compilation_config.static_forward_context
-    owners = sum(1 for name in context if name.endswith(INDEXER_LAYER_SUFFIX))
-    if not owners:
+    if config is None or topk is None or not num_owners or not plans_executable():
         return None
     hot_rows = config.device_buffer_size or 2 * topk
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
     requests = vllm_config.scheduler_config.max_num_seqs
+    if max_leases is not None:
+        requests = max(min(requests, max_leases), 1)
     rows = 1 << max(requests - 1, 7).bit_length()  # the tables grow by doubling from 8 rows
     max_pages = -(-vllm_config.model_config.max_model_len // SPARSE_MLA_PAGE_TOKENS)
     lease_pages = -(-hot_rows // SPARSE_MLA_PAGE_TOKENS)
     return plan_memory_bound(tokens, topk, requests, tokens, hot_rows) + standing_state_bytes(
-        rows, hot_rows, owners, max_pages, lease_pages
+        rows, hot_rows, num_owners, max_pages, lease_pages
     )
 
 
