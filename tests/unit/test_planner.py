@@ -425,3 +425,19 @@ def test_a_hugging_face_id_is_read_from_the_local_cache(tmp_path, monkeypatch):
     assert data == json.loads(json.dumps(glm5)) and label == str(snapshot / "config.json")
     with pytest.raises(PlannerError, match="not in the local Hugging Face cache.*huggingface-cli download"):
         planner.read_model_config("zai-org/GLM-5.3")
+
+
+def test_the_deploy_docs_capacity_plan_is_what_the_planner_prints_for_its_command(tmp_path):
+    """docs/deploy.md shows a planner command and its output: they stay the same."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    section = doc[doc.index("## Capacity plan for the node") :]
+    command = re.search(r"```bash\n(python -m vllm\.v1\.hisparse\.planner .*?)\n```", section, re.S)
+    assert command is not None, "the section shows the planner's command"
+    argv = shlex.split(command[1].replace("\\\n", " "))[3:]
+    out = tmp_path / "plan.md"
+    assert main([*argv, "--output", str(out)]) == 0
+    assert out.read_text().strip() in section, "docs/deploy.md shows what the command prints"
