@@ -441,3 +441,45 @@ def test_the_deploy_docs_capacity_plan_is_what_the_planner_prints_for_its_comman
     out = tmp_path / "plan.md"
     assert main([*argv, "--output", str(out)]) == 0
     assert out.read_text().strip() in section, "docs/deploy.md shows what the command prints"
+
+
+SERVE_LINE = (
+    "vllm serve glm-5.3 --tensor-parallel-size 8 --max-model-len 1048576 --kv-cache-dtype fp8 "
+    "--attention-config '{\"hisparse_config\":{\"host_pool_gib\":384}}' --kv-offloading-size 128 "
+    "--served-model-name glm --enable-prefix-caching --max-num-seqs 64"
+)
+
+
+def test_a_whole_serve_line_plans_as_its_flags_do_and_lists_the_flags_it_does_not_use(capsys):
+    flags = (
+        "--model", "glm-5.3", "-tp", "8", "--max-model-len", "1048576", "--kv-cache-dtype", "fp8",
+        *HISPARSE_FLAG, "--kv-offloading-size", "128", "--max-num-seqs", "64",
+    )
+    code, by_flags, _ = run(capsys, *flags, "--gpu-memory-gib", "141", "--format", "json")
+    assert code == 0
+    code, by_line, _ = run(
+        capsys, "--serve-command", SERVE_LINE, "--gpu-memory-gib", "141", "--format", "json"
+    )
+    assert code == 0
+    by_flags, by_line = json.loads(by_flags), json.loads(by_line)
+    unused = [n for n in by_line["notes"] if n.startswith("not used by the plan")]
+    assert unused == [
+        "not used by the plan: --enable-prefix-caching, --served-model-name (from --serve-command)"
+    ]
+    by_line["notes"].remove(unused[0])
+    assert by_line == by_flags
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (("--serve-command", SERVE_LINE, "-tp", "4"), "--tensor-parallel-size is given in --serve-command"),
+        (("--serve-command", SERVE_LINE, "--model", "glm-5"), "give the model once"),
+        (("--serve-command", "vllm serve --max-model-len 4096"), "give the model first"),
+        (("--serve-command", "vllm serve glm-5.3 --no-such-flag 1"), "vllm serve does not accept it"),
+        (("--serve-command", "vllm serve glm-5.3", "--gpu-memory-gib", "141"), "--attention-config is"),
+    ],
+)
+def test_a_serve_line_that_cannot_be_planned_is_refused_by_name(capsys, argv, named):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and named in err

@@ -121,6 +121,8 @@ class PlanRequest:
     max_num_seqs: int | None = None
     attention_backend: str | None = None
     session_tokens: int = DEFAULT_SESSION_TOKENS
+    # Flags of a `vllm serve` line (--serve-command) that do not change the plan.
+    unused_serve_flags: tuple[str, ...] = ()
 
 
 def parse_json_flag(flag: str, text: str) -> dict[str, Any]:
@@ -937,6 +939,8 @@ def plan(request: PlanRequest) -> Plan:
             "GPU (--gpu-memory-gib, e.g. 141 for an H200) to estimate it from"
         )
     notes: list[str] = []
+    if request.unused_serve_flags:
+        notes.append(f"not used by the plan: {', '.join(request.unused_serve_flags)} (from --serve-command)")
     with (
         tempfile.TemporaryDirectory(prefix="hisparse-plan-") as workdir,
         _where_hisparse_runs(),
@@ -1222,7 +1226,13 @@ def argument_parser() -> argparse.ArgumentParser:
         help="per-GPU allowance besides the weights: activation peak, CUDA graphs, NCCL, slack "
         f"(default {DEFAULT_OVERHEAD_GIB:g})",
     )
-    parser.add_argument("--attention-config", required=True, help="as vllm serve, with hisparse_config")
+    parser.add_argument(
+        "--serve-command",
+        help="a whole `vllm serve MODEL ...` line, read with vllm serve's own parser: it gives "
+        "the model and the serve flags (those the plan does not use are listed); the other "
+        "flags here add the node (--gpu-memory-gib, ...) and must not repeat it",
+    )
+    parser.add_argument("--attention-config", help="as vllm serve, with hisparse_config")
     parser.add_argument("--kv-transfer-config", help="as vllm serve (OffloadingConnector)")
     parser.add_argument(
         "--kv-offloading-size",
@@ -1256,7 +1266,78 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def request_from_args(args: argparse.Namespace) -> PlanRequest:
+# vllm serve's destinations the plan reads: their planner flag, by the same destination.
+SERVE_FLAGS_USED = (
+    "model", "tensor_parallel_size", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
+    "kv_cache_memory_bytes", "attention_config", "kv_transfer_config", "kv_offloading_size",
+    "speculative_config", "hf_overrides", "max_num_batched_tokens", "max_num_seqs",
+)
+
+
+def serve_command_args(args: argparse.Namespace, defaults: argparse.Namespace) -> tuple[str, ...]:
+    """Fill `args` from --serve-command, parsed by vllm serve's own argument parser; the
+    flags the line gives that the plan does not use. A flag given both ways is refused."""
+    import shlex
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    words = shlex.split(args.serve_command)
+    while words and (words[0] in ("vllm", "serve") or words[0].endswith("/vllm")):
+        words = words[1:]
+    if not words or words[0].startswith("-"):
+        raise PlannerError(
+            f"--serve-command {args.serve_command!r}: give the model first, as vllm serve takes it "
+            "(vllm serve MODEL [options])"
+        )
+    serve_parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve", exit_on_error=False))
+    try:
+        with _quiet_vllm():
+            serve = serve_parser.parse_args(words)
+            serve_defaults = serve_parser.parse_args(words[:1])
+    except (argparse.ArgumentError, SystemExit, ValueError) as bad:
+        raise PlannerError(f"--serve-command: vllm serve does not accept it ({bad})") from None
+    serve.model = serve.model_tag
+    given = {
+        dest for dest, value in vars(serve).items()
+        if dest != "model_tag" and value != getattr(serve_defaults, dest, None)
+    } | {"model"}
+    for dest in sorted(given & set(SERVE_FLAGS_USED)):
+        if getattr(args, dest, None) != getattr(defaults, dest, None):
+            raise PlannerError(
+                f"--{dest.replace('_', '-')} is given in --serve-command and again on its own; give it once"
+            )
+        value = getattr(serve, dest)
+        if dest == "attention_config":
+            hisparse = getattr(value, "hisparse_config", None)
+            config = {} if hisparse is None else {
+                k: v for k, v in dataclasses.asdict(hisparse).items() if v is not None
+            }
+            value = json.dumps({"hisparse_config": config} if hisparse is not None else {})
+        elif dest == "kv_transfer_config":
+            value = json.dumps({
+                "kv_connector": value.kv_connector,
+                "kv_role": value.kv_role,
+                "kv_connector_extra_config": value.kv_connector_extra_config,
+            })
+        elif dest in ("speculative_config", "hf_overrides"):
+            value = json.dumps(value) if value else None
+        setattr(args, dest, value)
+    unused = sorted(given - set(SERVE_FLAGS_USED))
+    return tuple(f"--{dest.replace('_', '-')}" for dest in unused)
+
+
+def request_from_args(args: argparse.Namespace, defaults: argparse.Namespace | None = None) -> PlanRequest:
+    unused: tuple[str, ...] = ()
+    if args.serve_command:
+        if args.model or args.model_tag:
+            raise PlannerError("give the model once: in --serve-command (vllm serve MODEL ...) or --model")
+        unused = serve_command_args(args, defaults or argument_parser().parse_args([]))
+    if not args.attention_config:
+        raise PlannerError(
+            "--attention-config is required (in --serve-command or on its own), with the deployment's "
+            'hisparse_config, e.g. \'{"hisparse_config":{"host_pool_gib":384}}\''
+        )
     model = args.model or args.model_tag
     if not model:
         raise PlannerError(
@@ -1304,13 +1385,15 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         max_num_seqs=seqs,
         attention_backend=args.attention_backend,
         session_tokens=args.session_tokens,
+        unused_serve_flags=unused,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = argument_parser().parse_args(argv)
+    parser = argument_parser()
+    args = parser.parse_args(argv)
     try:
-        result = plan(request_from_args(args))
+        result = plan(request_from_args(args, parser.parse_args([])))
     except PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
