@@ -378,6 +378,33 @@ def test_a_chunk_whose_staging_left_no_room_for_its_blocks_runs_next_without_sta
     assert h.requests[second].num_output_tokens == 8
 
 
+@pytest.mark.parametrize("memory_mib", [256, 16])
+def test_a_chunk_stages_what_it_may_select_from_free_blocks_beyond_its_budget(model, memory_mib):
+    # A 30-token chunk over a 640-token host-only prefix may select all 640 host rows; its
+    # hot buffer holds 64 and the budget stages 64 more. Blocks the pool has free beyond
+    # the step's reserve stage the rest (no passes); only a pool without them (16 MiB
+    # here) leaves the chunk its budget and passes.
+    h = harness(model, memory_mib)
+    shared = prompt(3, 640)
+    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
+    h.step()
+    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
+    run_checked(h)
+    h.kv_cache_manager.evict_blocks(mla_blocks)  # the second turn's prefix is on the host only
+    second = h.add_request(shared + prompt(5, 30), max_tokens=8).request_id
+    admitted = h.step()
+    assert admitted.num_scheduled_tokens[second] == 30 and admitted.hisparse_states[second] == "none"
+    (staging,) = admitted.hisparse_plan.staging
+    hot_rows, budget = 2 * SIX_LAYERS.index_topk, h.hisparse.staging_budget
+    selectable = 640 - hot_rows
+    if memory_mib == 256:
+        assert staging.num_slots == selectable > budget, "free blocks staged every selectable row"
+    else:
+        assert budget <= staging.num_slots < selectable, "no free blocks beyond the reserve: the budget"
+    run_checked(h)
+    assert h.requests[second].num_output_tokens == 8
+
+
 def test_without_proactive_copies_pressure_waits_for_the_copies_instead_of_preempting(model):
     # Nothing is on the host when the pool runs short: relief marks pages for
     # copy-then-free, and the scheduler waits a step for the copies to land.

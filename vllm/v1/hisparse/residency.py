@@ -566,6 +566,7 @@ class ResidencyManager:
         blocks_needed: int,
         protect: str | None = None,
         protected_blocks: Set[int] = frozenset(),
+        durable_only: bool = False,
     ) -> int:
         """Free device blocks by demoting pages, before the scheduler preempts anyone.
 
@@ -581,8 +582,9 @@ class ResidencyManager:
         rows. A request's first demotion costs it a hot lease, so it is
         demoted only if that frees more than the lease takes. If that is
         not enough, marks completed DEVICE pages for copy-then-free in the next
-        `plan_copies`. Returns blocks freed, net of leases taken (when frees are
-        deferred, some of them return only after the step in flight).
+        `plan_copies` (not with `durable_only`: only pages already on the host go).
+        Returns blocks freed, net of leases taken (when frees are deferred, some of
+        them return only after the step in flight).
         """
         freed_total = 0
         victims = sorted(
@@ -604,7 +606,7 @@ class ResidencyManager:
                 continue
             freed_total += self._demote(req, take)
         self.counters.blocks_freed_under_pressure += max(freed_total, 0)
-        if freed_total < blocks_needed:
+        if freed_total < blocks_needed and not durable_only:
             self._mark_for_demotion(math.ceil((blocks_needed - freed_total) / self.blocks_per_page), protect)
         return freed_total
 

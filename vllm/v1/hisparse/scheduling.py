@@ -110,6 +110,12 @@ class HiSparseScheduling:
         self.hot_rows = config.device_buffer_size
         assert config.staging_rows is not None
         self.staging_budget = config.staging_rows
+        # Blocks left free for the rest of a step when staging takes more than its budget:
+        # every group's blocks for a step's whole token budget, and one hot lease.
+        self._step_reserve = (
+            (vllm_config.scheduler_config.max_num_batched_tokens // self.block_size + 1) * len(groups)
+            + self.residency.hot_lease_blocks
+        )
         self.max_model_len = vllm_config.model_config.max_model_len
         self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
         self.num_groups = len(groups)
@@ -191,9 +197,11 @@ class HiSparseScheduling:
             return True
         return False
 
-    def _relieve(self, num_blocks: int) -> None:
+    def _relieve(self, num_blocks: int, durable_only: bool = False) -> None:
         """Relief for this step's own needs (a chunk, its staging), sparing pending hits."""
-        self.residency.relieve_pressure(num_blocks, protected_blocks=self.admissions.hit_block_ids())
+        self.residency.relieve_pressure(
+            num_blocks, protected_blocks=self.admissions.hit_block_ids(), durable_only=durable_only
+        )
 
     def defer_preemption(self, request: Request) -> bool:
         """True when copies or frees about to complete will make room: wait a step instead of
@@ -223,10 +231,13 @@ class HiSparseScheduling:
         attends in passes (resolver.py), so the chunk is never shortened: when the
         pool cannot spare the whole budget, even after demoting other requests'
         settled pages, the chunk takes what it can (down to none, passes of at most
-        the hot buffer's rows). Pressure relief for the chunk's own new blocks runs
-        first, since it may demote the request's own older pages. The staging is an
-        estimate the resolution does not rely on: pages demoted after it in the same
-        step only add passes.
+        the hot buffer's rows). Beyond the budget, up to what the chunk may select,
+        it takes blocks the pool has free or frees by demoting pages already on the
+        host (no copies waited for), leaving the rest of the step its reserve: a pass
+        costs a whole attention call for the layer, such a block almost nothing.
+        Pressure relief for the chunk's own new blocks runs first, since it may demote
+        the request's own older pages. The staging is an estimate the resolution does
+        not rely on: pages demoted after it in the same step only add passes.
         """
         self._return_staging(request.request_id)
         if num_new_tokens * self.index_topk <= self.hot_rows or not self.issue_plans:
@@ -249,16 +260,25 @@ class HiSparseScheduling:
         spare = max(self.blocks.num_free_blocks() - own_blocks, 0) // page * page
         blocks = min(wanted, spare)
         self.staging_rows_short += (wanted - blocks) // page * self.block_size
+        if blocks == wanted:
+            more = self._staging_blocks(num_new_tokens, host_rows, budget=None) - blocks
+            short = own_blocks + blocks + more + self._step_reserve - self.blocks.num_free_blocks()
+            if more > 0 and short > 0:
+                self._relieve(short, durable_only=True)
+            room = self.blocks.num_free_blocks() - own_blocks - blocks - self._step_reserve
+            blocks += min(more, max(room, 0) // page * page)
         if blocks:
             self._staging[request.request_id] = self.blocks.take(blocks)
             self.staging_rows_leased += blocks // page * self.block_size
         return num_new_tokens
 
-    def _staging_blocks(self, num_tokens: int, host_rows: int) -> int:
+    def _staging_blocks(self, num_tokens: int, host_rows: int, budget: int | None = -1) -> int:
         """Blocks (all sparse-MLA groups) to stage what `num_tokens` may select beyond the hot
-        buffer, up to the staging budget (more is resolved in passes)."""
+        buffer, up to `budget` rows (default the staging budget; None: no cap); more is
+        resolved in passes."""
+        budget = self.staging_budget if budget == -1 else budget
         selected = min(num_tokens * self.index_topk, host_rows)
-        rows = min(selected - self.hot_rows, self.staging_budget)
+        rows = selected - self.hot_rows if budget is None else min(selected - self.hot_rows, budget)
         return -(-max(rows, 0) // self.block_size) * len(self.mla_group_ids)
 
     def _host_pages(self, request_id: str) -> int:
