@@ -343,6 +343,18 @@ def test_random_workloads_keep_every_block_owned_once_and_return_everything(
     assert residency.host_pool.num_referenced == 0, "every host reference returns"
 
 
+def first_turn_moved_to_the_host(h: SchedulerHarness) -> list[int]:
+    """Run a first turn over a 640-token prompt, then leave its sparse-MLA pages on the host
+    only; the shared prompt, for a second turn that starts NONE from it."""
+    shared = prompt(3, 640)
+    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
+    h.step()
+    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
+    run_checked(h)
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+    return shared
+
+
 def test_a_chunk_whose_staging_left_no_room_for_its_blocks_runs_next_without_staging(model, monkeypatch):
     # Staging is leased before a waiting request's blocks are allocated, from an estimate
     # of them. If that estimate misses (the allocation refuses the request once, as a pool
@@ -360,12 +372,7 @@ def test_a_chunk_whose_staging_left_no_room_for_its_blocks_runs_next_without_sta
         return allocate_slots(self, request, *args, **kwargs)
 
     h = harness(model, 64)
-    shared = prompt(3, 640)
-    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
-    h.step()
-    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
-    run_checked(h)
-    h.kv_cache_manager.evict_blocks(mla_blocks)  # the second turn's prefix is on the host only
+    shared = first_turn_moved_to_the_host(h)
     monkeypatch.setattr(KVCacheManager, "allocate_slots", refuse_once_after_staging)
     second = h.add_request(shared + prompt(5, 30), max_tokens=8).request_id
     refused_step = h.step()
@@ -385,12 +392,7 @@ def test_a_chunk_stages_what_it_may_select_from_free_blocks_beyond_its_budget(mo
     # the step's reserve stage the rest (no passes); only a pool without them (16 MiB
     # here) leaves the chunk its budget and passes.
     h = harness(model, memory_mib)
-    shared = prompt(3, 640)
-    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
-    h.step()
-    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
-    run_checked(h)
-    h.kv_cache_manager.evict_blocks(mla_blocks)  # the second turn's prefix is on the host only
+    shared = first_turn_moved_to_the_host(h)
     second = h.add_request(shared + prompt(5, 30), max_tokens=8).request_id
     admitted = h.step()
     assert admitted.num_scheduled_tokens[second] == 30 and admitted.hisparse_states[second] == "none"
