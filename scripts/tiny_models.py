@@ -661,6 +661,20 @@ def _add_mtp_layers(spec: TinyModelSpec, weights: Path) -> None:
     save_file(tensors, str(weights), metadata=metadata)
 
 
+# GLM-5.3 in miniature: its indexer sharing (one indexer per four layers from layer 1,
+# vLLM's default offset 2: layers 0, 1 and 5 of six run one), an MTP layer and 1,048,576
+# positions; everything else scaled down (six layers, top-K 32).
+TINY_GLM53 = TinyModelSpec(
+    arch="glm5",
+    num_hidden_layers=6,
+    index_topk=32,
+    index_topk_freq=4,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=1 << 20,
+    init_std=0.2,
+)
+
+
 def production_topk(spec: TinyModelSpec) -> TinyModelSpec:
     """`spec` with the released models' index top-K (2048) and room for contexts past it."""
     return dataclasses.replace(

@@ -426,12 +426,14 @@ def mtp_run(model, **overrides):
     return [list(o.outputs[0].token_ids) for o in outs], drafts, stats, preemptions
 
 
-def test_mtp_drafts_and_tokens_under_pressure_equal_the_all_resident_run():
+@pytest.mark.parametrize("spec", [SIX_LAYERS_MTP, tiny_models.TINY_GLM53], ids=["glm-5", "glm-5.3"])
+def test_mtp_drafts_and_tokens_under_pressure_equal_the_all_resident_run(spec):
     """The checkpoint's own MTP layer drafts while the target's pages move: its layers stay
     resident with the indexer, so every draft (not only the verified tokens) equals the
     all-resident run's. An MTP drafter's cache at a chunk boundary depends on where the
-    boundary falls, which the reference's replay of the chunks makes the same."""
-    model = model_dir(SIX_LAYERS_MTP)
+    boundary falls, which the reference's replay of the chunks makes the same. Also on the
+    tiny GLM-5.3, whose layers 2-4 reuse layer 1's top-K and whose RoPE spans 1M positions."""
+    model = model_dir(spec)
     pressed, resident = alike(
         lambda: mtp_run(model, attention_config=hisparse(), **MTP_PRESSURE),
         lambda: mtp_run(model, **REPLAY_BUDGET),
