@@ -46,8 +46,8 @@ from serving import SERVER_ERRORS, Completion, VllmServer, metric, offloading_co
 
 CACHE = REPO / ".cache"
 RESULTS = REPO / "benchmarks" / "results"
-MODEL = tiny_models.TinyModelSpec(arch="glm5", num_hidden_layers=6, index_topk=32, init_std=0.2)
-SERVED_NAME = "tiny-glm5-bench"
+MODEL = tiny_models.TINY_GLM53
+SERVED_NAME = "tiny-glm53-bench"
 CONFIGS = ("preemption", "offload", "hybrid", "always")
 BASELINE = "offload"
 # The announcement's session shape.

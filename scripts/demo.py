@@ -35,8 +35,8 @@ from serving import SERVER_ERRORS, VllmServer, metric, offloading_connector
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"
-DEMO_MODEL = tiny_models.TinyModelSpec(arch="glm5", num_hidden_layers=6, index_topk=32, init_std=0.2)
-SERVED_NAME = "tiny-glm5-hisparse-demo"
+DEMO_MODEL = tiny_models.TINY_GLM53
+SERVED_NAME = "tiny-glm53-hisparse-demo"
 
 
 @dataclass
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print("Hybrid HiSparse demo", flush=True)
     model = tiny_models.tiny_model_dir(DEMO_MODEL, CACHE / "tiny-models")
-    print(f"  model        tiny GLM-5 ({DEMO_MODEL.num_hidden_layers} layers, index top-K "
+    print(f"  model        tiny GLM-5.3 ({DEMO_MODEL.num_hidden_layers} layers, an indexer per "
+          f"{DEMO_MODEL.index_topk_freq}, an MTP layer, index top-K "
           f"{DEMO_MODEL.index_topk}), random weights, seed {DEMO_MODEL.seed}: {model}")
     print(f"  KV pool      {args.kv_blocks} blocks of 64 tokens; HiSparse host pool "
           f"{args.host_pool_gib} GiB; OffloadingConnector (TieringOffloadingSpec) 64 MiB")
