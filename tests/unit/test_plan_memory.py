@@ -193,3 +193,22 @@ def test_the_profile_reserve_is_the_plan_bound_and_the_standing_state_for_the_co
     assert profile_reserve_bytes(config, 6, max_leases=5) == expected(5, 8)
     runner = SimpleNamespace(vllm_config=config, device=torch.device("cpu"))
     assert profile_reserve(runner) is None, "the CPU KV cache is not sized by a profile: nothing held"
+
+
+def test_the_planned_tokens_from_host_ranges_resolve_as_the_counted_ones_do():
+    """The tokens found from the scheduler's ranges (the chunk mid-batch, decodes around it)
+    are the ones a count of the batch's rows finds: every layer resolves the same rows."""
+
+    def resolve_all(ranges_known: bool) -> list[torch.Tensor]:
+        resolution, positions, batch_rows, rows, kv, _, _ = _step(LAYERS[:2])
+        if not ranges_known:
+            resolution.start_step(None)  # no counts: the rows are found by a count
+        out = [resolution.resolve_rows(layer, positions, batch_rows, rows, cache, BLOCK)
+               for layer, cache in zip(LAYERS, kv, strict=True)]
+        assert (resolution._step().planned_tokens(positions.shape[0]) is not None) == ranges_known
+        return out
+
+    from_ranges, counted = resolve_all(True), resolve_all(False)
+    for a, b in zip(from_ranges, counted, strict=True):
+        assert torch.equal(a, b)
+    assert (from_ranges[0] != 0).any(), "host entries were resolved to rows"

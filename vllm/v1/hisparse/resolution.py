@@ -453,9 +453,12 @@ class _Step:
 
     def set_token_ranges(self, ranges: list[tuple[int, int]], batch_tokens: int) -> None:
         """(start, tokens) in the batch of each request with HOST pages, in row order."""
-        tokens = [torch.arange(start, start + n, dtype=torch.int64) for start, n in ranges]
-        requests = [torch.full((n,), m, dtype=torch.int64) for m, (_, n) in enumerate(ranges)]
-        index, of_request = torch.cat(tokens), torch.cat(requests)
+        starts = torch.tensor([start for start, _ in ranges], dtype=torch.int64)
+        counts = torch.tensor([n for _, n in ranges], dtype=torch.int64)
+        of_request = torch.repeat_interleave(torch.arange(len(ranges)), counts)
+        # Token k of the planned ones is its request's start plus its rank within the request.
+        first = torch.cumsum(counts, 0) - counts
+        index = starts[of_request] + torch.arange(int(counts.sum())) - first[of_request]
         if self._device.type == "cuda":
             index, of_request = index.pin_memory(), of_request.pin_memory()
         self._planned = (
