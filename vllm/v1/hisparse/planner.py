@@ -789,17 +789,13 @@ def resolver_reserve_bytes(
 ) -> int:
     """What `profile_run` holds for HiSparse's resolver (`worker.profile_reserve`), so the
     KV cache comes out that much smaller; 0 with --kv-cache-memory-bytes (no profile)."""
-    from vllm.v1.hisparse.worker import profile_reserve_bytes
+    from vllm.v1.hisparse.worker import profile_reserve_bytes, resolver_layers
 
     if request.kv_cache_memory_bytes is not None:
         return 0
     hisparse = vllm_config.attention_config.hisparse_config
     assert hisparse is not None and hisparse.device_buffer_size is not None
-    owners = sum(1 for name in specs if name.endswith(INDEXER_LAYER_SUFFIX))
-    row_bytes = sum(
-        spec.page_size_bytes // spec.block_size for name, spec in specs.items()
-        if not name.endswith(INDEXER_LAYER_SUFFIX)
-    )
+    owners, row_bytes = resolver_layers(specs)
     leases = kv_bytes // max(hisparse.device_buffer_size * row_bytes, 1)
     return profile_reserve_bytes(vllm_config, owners, leases) or 0
 

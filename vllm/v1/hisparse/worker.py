@@ -329,12 +329,7 @@ def profile_reserve(runner: Any) -> torch.Tensor | None:
     """
     if torch.device(runner.device).type == "cpu":
         return None
-    specs = runner.get_kv_cache_spec()
-    owners = sum(1 for name in specs if name.endswith(INDEXER_LAYER_SUFFIX))
-    row_bytes = sum(
-        spec.page_size_bytes // spec.block_size for name, spec in specs.items()
-        if not name.endswith(INDEXER_LAYER_SUFFIX)
-    )
+    owners, row_bytes = resolver_layers(runner.get_kv_cache_spec())
     # At most as many requests hold a hot lease as the memory left after the weights holds.
     _, total = torch.cuda.mem_get_info(runner.device)
     utilization = runner.vllm_config.cache_config.gpu_memory_utilization
@@ -347,6 +342,17 @@ def profile_reserve(runner: Any) -> torch.Tensor | None:
         return None
     logger.info("Hybrid HiSparse: the memory profile holds %.2f GiB for the resolver", nbytes / (1 << 30))
     return torch.empty(nbytes, dtype=torch.uint8, device=runner.device)
+
+
+def resolver_layers(specs: dict[str, Any]) -> tuple[int, int]:
+    """From the KV cache specs: the top-K owners (indexer layers), and the bytes one row
+    (token) takes in all sparse-MLA layers together, a hot lease's row."""
+    owners = sum(1 for name in specs if name.endswith(INDEXER_LAYER_SUFFIX))
+    row_bytes = sum(
+        spec.page_size_bytes // spec.block_size for name, spec in specs.items()
+        if not name.endswith(INDEXER_LAYER_SUFFIX)
+    )
+    return owners, row_bytes
 
 
 def profile_reserve_bytes(vllm_config: Any, num_owners: int, max_leases: int | None = None) -> int | None:
