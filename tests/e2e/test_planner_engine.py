@@ -17,7 +17,7 @@ import tiny_models
 from engine import SPARSE_GLM5, model_dir, offloading_connector, running_llm
 
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-from vllm.v1.hisparse.planner import Plan, PlanRequest, plan
+from vllm.v1.hisparse.capacity.planner import Plan, PlanRequest, plan
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 import tiny_models
 from scheduler_harness import SchedulerHarness, tiny_glm5_dir
 
-from vllm.v1.hisparse.planner import Plan, PlanRequest, plan
+from vllm.v1.hisparse.capacity.planner import Plan, PlanRequest, plan
 
 SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", index_topk=32, num_hidden_layers=6)
 SESSION_TOKENS = 1024

@@ -1,4 +1,4 @@
-"""The capacity planner (`python -m vllm.v1.hisparse.planner`) on GLM-5's published shapes.
+"""The capacity planner (`python -m vllm.v1.hisparse.capacity plan`) on GLM-5's published shapes.
 
 Planning needs no engine: these build vLLM's configs and KV cache configs for the
 full-size model in about a second each. Whether the numbers are the engine's is
@@ -14,8 +14,8 @@ import pytest
 from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
 from vllm.config.hisparse import FP8_SPARSE_MLA_BYTES_PER_TOKEN, RESIDENT_TAIL_PAGES, SPARSE_MLA_PAGE_TOKENS
-from vllm.v1.hisparse import planner
-from vllm.v1.hisparse.planner import (
+from vllm.v1.hisparse.capacity import planner
+from vllm.v1.hisparse.capacity.planner import (
     GLM5_PRESET,
     PlannerError,
     PlanRequest,
@@ -435,9 +435,9 @@ def test_the_deploy_docs_capacity_plan_is_what_the_planner_prints_for_its_comman
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
     section = doc[doc.index("## Capacity plan for the node") :]
-    command = re.search(r"```bash\n(python -m vllm\.v1\.hisparse\.planner .*?)\n```", section, re.S)
+    command = re.search(r"```bash\n(python -m vllm\.v1\.hisparse\.capacity plan .*?)\n```", section, re.S)
     assert command is not None, "the section shows the planner's command"
-    argv = shlex.split(command[1].replace("\\\n", " "))[3:]
+    argv = shlex.split(command[1].replace("\\\n", " "))[4:]
     out = tmp_path / "plan.md"
     assert main([*argv, "--output", str(out)]) == 0
     assert out.read_text().strip() in section, "docs/deploy.md shows what the command prints"
