@@ -361,3 +361,36 @@ def test_a_restore_planned_before_a_connectors_load_stays_the_requests_own(model
     copies = [c for plan in plans for c in plan.copies if c.request_id == "A2"]
     assert copies and all(c.page_index >= restored for c in copies), "a restored page was copied again"
     assert h.hisparse.stats()["pages_copied_to_host"] - copied == len(copies)
+
+
+def test_a_connector_hit_whose_tail_left_the_host_pool_keeps_the_pages_the_pool_holds(model):
+    """A session's next turn hits the OffloadingConnector's indexer pages for its whole
+    history, but the host pool holds only the first pages' sparse-MLA content (the rest
+    were never copied before the turn ended, and the device has evicted them). The hit is
+    cut to the pages the host pool holds, at a connector chunk boundary; the turn does
+    not recompute its whole history."""
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="partial-host-hit",
+        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
+    )  # fmt: skip
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=20 << 20, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=1024, kv_transfer_config=transfer, report_delay=1,
+    )  # fmt: skip
+    h.hisparse.residency.max_copies_per_step = 1  # copies lag the prefill
+    first_turn = prompt(3, 400)
+    h.add_request(first_turn, max_tokens=2, request_id="B1")
+    h.run_until_done()
+    assert h.kv_cache_manager.reset_prefix_cache(), "only the connector and the host pool hold B1 now"
+    pool = h.hisparse.residency.host_pool
+    in_pool = [pool.lookup(block_hash) is not None for block_hash in h.requests["B1"].block_hashes[:6]]
+    held = in_pool.index(False) if False in in_pool else len(in_pool)
+    assert 0 < held < 6, f"the host pool holds {held} of B1's 6 whole pages"
+    second_turn = [*first_turn, *h.requests["B1"].output_token_ids, *prompt(4, 60)]
+    h.add_request(second_turn, max_tokens=4, request_id="B2")
+    while "B2" not in h.hisparse.residency.requests:
+        h.step()
+    started = h.observations[-1].num_computed_tokens["B2"] - h.observations[-1].num_scheduled_tokens["B2"]
+    assert started == held * BLOCK, f"B2 started at token {started}, not after the {held} host-held pages"
+    h.run_until_done()
+    h.hisparse.check_ownership()

@@ -13,6 +13,7 @@ is checked end to end elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -96,6 +97,23 @@ def test_no_pressure_keeps_every_request_full_and_copies_ahead(model):
     for o in observations:
         plan = o.hisparse_plan
         assert not plan.block_table_updates and not plan.host_pages and not plan.leases and not plan.staging
+
+
+def test_proactive_copies_keep_pace_with_a_whole_token_budget_of_prefill(model):
+    """A step that prefills max_num_batched_tokens completes that many tokens' pages; the
+    step's copy budget covers them and a backlog besides, so when a long prompt's prefill
+    ends no more than one step's pages wait for their copy (a turn that ends with pages
+    never copied loses them to the device's eviction, and its next turn recomputes them)."""
+    budget = 8192
+    long_model = str(tiny_glm5_dir(dataclasses.replace(SIX_LAYERS, max_position_embeddings=4 * budget)))
+    h = harness(long_model, 512, max_model_len=4 * budget, max_num_batched_tokens=budget)
+    request = h.add_request(prompt(1, 3 * budget + 100), max_tokens=2).request_id
+    while not h.observations or h.requests[request].num_output_tokens == 0:
+        h.step()
+    pages_per_step = budget // BLOCK
+    uncopied = len(h.hisparse.residency.requests[request].uncopied)
+    assert uncopied <= pages_per_step, f"{uncopied} complete pages wait for a copy after the prefill"
+    run_checked(h)
 
 
 def test_pressure_turns_requests_mixed_instead_of_preempting_and_runs_more_of_them(model):

@@ -44,7 +44,6 @@ fidelity to a real engine is pinned by ``tests/integration/test_scheduler_harnes
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +54,6 @@ import tiny_models
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_utils import BlockHash
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -217,12 +215,9 @@ def build_kv_cache_config(
     Like the engine core it updates ``vllm_config.cache_config`` (layout, num_gpu_blocks,
     block_size, capacity), so use one config per scheduler.
     """
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
-        update_kv_cache_capacity,
-    )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.hisparse.capacity.engine import scheduler_kv_cache_config
 
     if (num_blocks is None) == (memory_bytes is None):
         raise ValueError("give exactly one of num_blocks and memory_bytes")
@@ -234,29 +229,7 @@ def build_kv_cache_config(
     worker_specs = [dict(specs)]  # one worker; get_kv_cache_configs may rewrite specs in place
     resolve_layout(vllm_config, worker_specs[0])
     kv_cache_configs = get_kv_cache_configs(vllm_config, worker_specs, [memory_bytes])
-    for config in kv_cache_configs:
-        config.kv_cache_layout = cache_config.kv_cache_layout
-    scheduler_config = generate_scheduler_kv_cache_config(kv_cache_configs)
-    cache_config.num_gpu_blocks = scheduler_config.num_blocks
-    if scheduler_config.kv_cache_groups:
-        cache_config.block_size = min(g.kv_cache_spec.block_size for g in scheduler_config.kv_cache_groups)
-        update_kv_cache_capacity(vllm_config, scheduler_config)
-    vllm_config.validate_block_size()
-    return scheduler_config
-
-
-def make_block_hasher(
-    vllm_config: VllmConfig, hash_block_size: int
-) -> Callable[[Request], list[BlockHash]] | None:
-    """The request block hasher EngineCore installs (None when prefix caching is off)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    if not vllm_config.cache_config.enable_prefix_caching and vllm_config.kv_transfer_config is None:
-        return None
-    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    return get_request_block_hasher(hash_block_size, hash_fn)
+    return scheduler_kv_cache_config(vllm_config, kv_cache_configs)
 
 
 @dataclass
@@ -307,7 +280,7 @@ class SchedulerHarness:
     ) -> None:
         from vllm.config import hisparse as hisparse_config
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.hisparse.capacity.engine import build_scheduler
 
         self.vllm_config = vllm_config
         self.specs = specs if specs is not None else model_kv_cache_specs(vllm_config)
@@ -321,18 +294,9 @@ class SchedulerHarness:
         self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(
             self.kv_cache_config, vllm_config
         )
-        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-        self.scheduler: Scheduler = scheduler_cls(
-            vllm_config=vllm_config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=self.block_size,
-            hash_block_size=self.hash_block_size,
-            include_finished_set=False,
-            log_stats=True,
-        )
+        self.scheduler: Scheduler
+        self.scheduler, self.block_hasher = build_scheduler(vllm_config, self.kv_cache_config)
         hisparse_config.workers_execute_plans = None
-        self.block_hasher = make_block_hasher(vllm_config, self.hash_block_size)
         self.sampled_token = sampled_token
         self.runs_hisparse_plans = runs_hisparse_plans
         # Steps until a planned copy is reported: a number, or a function drawing one.
@@ -416,25 +380,11 @@ class SchedulerHarness:
         **sampling_args: Any,
     ) -> Request:
         """Add a request the way EngineCore does (EngineCoreRequest -> Request + block hasher)."""
-        from vllm import SamplingParams
-        from vllm.v1.engine import EngineCoreRequest
-        from vllm.v1.request import Request
+        from vllm.v1.hisparse.capacity.engine import make_request
 
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling_args)
-        core_request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=time.time(),
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        )
-        request = Request.from_engine_core_request(core_request, self.block_hasher)
+        request = make_request(prompt_token_ids, max_tokens, request_id, self.block_hasher, **sampling_args)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
         return request

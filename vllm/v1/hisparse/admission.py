@@ -73,6 +73,8 @@ class AdmissionCounters:
 
     # Pages of KV connector hits restored from the host pool.
     pages_restored: int = 0
+    # KV connector hits cut short where the host pool's pages of them ended.
+    hits_cut: int = 0
 
 
 class Admissions:
@@ -88,6 +90,7 @@ class Admissions:
         import_kind: ImportKind,
         lease_blocks_for: Callable[[Request], int],
         plans_issued: Callable[[], bool],
+        hit_chunk_tokens: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -97,6 +100,8 @@ class Admissions:
         self.import_kind = import_kind
         self._lease_blocks_for = lease_blocks_for
         self._plans_issued = plans_issued
+        # A connector hit may be cut at multiples of this many tokens (None: all or nothing).
+        self.hit_chunk_tokens = hit_chunk_tokens
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
 
@@ -295,9 +300,10 @@ class Admissions:
 
         The OffloadingConnector loads only the groups HiSparse does not manage, so
         every page of its hit needs its sparse-MLA content from the host pool: the
-        hit stands if the host pool holds every one of its pages (each retained),
-        else nothing is loaded (the connector's hits are whole chunks, which a
-        shorter hit could split). Then, in hybrid mode with room in the pool (the
+        hit stands as far as the host pool holds its pages (each retained), cut at
+        the connector's chunk boundary below the first page it lacks (a session's
+        next turn keeps the history the pool holds and recomputes only the rest);
+        a connector whose hits cannot be cut loads all of it or nothing. Then, in hybrid mode with room in the pool (the
         restored pages take at most half of the free blocks), the pages are
         restored into the blocks allocated for the hit (`after_allocation`);
         otherwise they stay in the host pool: the local hit's blocks gain null
@@ -325,8 +331,10 @@ class Admissions:
             if position < len(request.block_hashes):  # else a partial page: never copied
                 host_page = self.host_pool.retain_cached(request.block_hashes[position])
             if host_page is None:
-                self._release_host_pages(hit)
-                return new_computed_blocks, 0
+                num_external_tokens = self._cut_hit(hit, num_local_tokens, position * self.block_size)
+                if not num_external_tokens:
+                    return new_computed_blocks, 0
+                break
             hit[PageIndex(position)] = HostPage(host_page)
         restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
         if (
@@ -351,6 +359,22 @@ class Admissions:
                 return new_computed_blocks, 0
         record.host_pages.update(on_host)
         return self.blocks.with_host_placeholders(new_computed_blocks, len(on_host)), num_external_tokens
+
+    def _cut_hit(self, hit: dict[PageIndex, HostPage], num_local_tokens: int, held_end: int) -> int:
+        """Cut a connector hit whose host pages end at token `held_end` to the last chunk
+        boundary at or below it; release the pages past the cut. The hit's new length."""
+        chunk = self.hit_chunk_tokens
+        end = held_end // chunk * chunk if chunk else num_local_tokens
+        if end <= num_local_tokens:
+            self._release_host_pages(hit)
+            hit.clear()
+            return 0
+        beyond = {p: h for p, h in hit.items() if p * self.block_size >= end}
+        self._release_host_pages(beyond)
+        for position in beyond:
+            del hit[position]
+        self.counters.hits_cut += 1
+        return end - num_local_tokens
 
     def _land_import(
         self,

@@ -29,6 +29,7 @@ It never decides where a page lands and never copies.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,17 @@ def import_kind(connector: Any) -> ImportKind:
     if hasattr(connector, "host_landing"):
         return ImportKind.LANDS_ON_HOST
     return ImportKind.DEVICE
+
+
+def hit_chunk_tokens(connector: Any) -> int | None:
+    """Tokens per chunk of an OffloadingConnector's hits, where such a hit may be cut short
+    at any chunk boundary; None where it may not (another connector, or one whose hits
+    can end in a partial chunk, which it then loads exactly)."""
+    config = getattr(getattr(connector, "connector_scheduler", None), "config", None)
+    groups = getattr(config, "kv_group_configs", None)
+    if not groups or getattr(config, "supports_partial_tail", True):
+        return None
+    return math.lcm(*(int(group.tokens_per_chunk) for group in groups))
 
 
 _host_pool_layers: dict[str, torch.Tensor] = {}

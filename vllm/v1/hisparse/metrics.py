@@ -61,6 +61,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Pages of KV connector hits restored host -> device.",
         "pages_restored",
     ),
+    "vllm:hisparse_connector_hits_cut": (
+        "KV connector hits cut short where the host pool's pages of them ended (the rest is recomputed).",
+        "connector_hits_cut",
+    ),
     "vllm:hisparse_host_prefix_pages_reused": (
         "Prefix pages a request took from the host pool instead of recomputing them.",
         "host_prefix_pages_reused",

@@ -41,7 +41,7 @@ from vllm.v1.hisparse.admission import Admissions, PendingAdmission
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
-from vllm.v1.hisparse.kv_import import ImportKind, import_kind
+from vllm.v1.hisparse.kv_import import ImportKind, hit_chunk_tokens, import_kind
 from vllm.v1.hisparse.ownership import check_ownership
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
@@ -67,6 +67,18 @@ logger = init_logger(__name__)
 # (tests and debugging: it walks every block of the pool).
 CHECK_OWNERSHIP_ENV = "VLLM_HISPARSE_CHECK_OWNERSHIP"
 
+
+
+# Copies a step plans at least; and per page a full token budget of prefill completes,
+# that many more (twice: one step's pages, and as many of a backlog).
+MIN_COPIES_PER_STEP = 64
+
+
+def copies_per_step(max_num_batched_tokens: int, block_size: int) -> int:
+    """The device->host copies one step may plan: enough to keep pace with a step that
+    prefills a whole token budget (its completed pages, and as many of a backlog), so a
+    turn does not end with pages that were never copied."""
+    return max(MIN_COPIES_PER_STEP, 2 * -(-max_num_batched_tokens // block_size))
 
 class HiSparseScheduling:
     """Hybrid HiSparse's scheduler-side state for one Scheduler."""
@@ -106,6 +118,9 @@ class HiSparseScheduling:
             blocks_per_page=len(self.mla_group_ids),
             mode=config.mode,
             proactive_copy=config.proactive_copy,
+            max_copies_per_step=copies_per_step(
+                vllm_config.scheduler_config.max_num_batched_tokens, self.block_size
+            ),
         )
         self.hot_rows = config.device_buffer_size
         assert config.staging_rows is not None
@@ -145,6 +160,7 @@ class HiSparseScheduling:
             import_kind=self.import_kind,
             lease_blocks_for=lambda request: self.residency.lease_blocks_for(self._max_tokens(request)),
             plans_issued=lambda: self.issue_plans,
+            hit_chunk_tokens=hit_chunk_tokens(scheduler.connector),
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if self.import_kind is ImportKind.LANDS_ON_HOST:
@@ -552,6 +568,8 @@ class HiSparseScheduling:
             pages_imported_to_host=counters.pages_imported_to_host,
             # Pages of KV connector hits restored from the host pool.
             pages_restored=self.admissions.counters.pages_restored,
+            # KV connector hits cut to the pages the host pool held of them.
+            connector_hits_cut=self.admissions.counters.hits_cut,
             preemptions_avoided=counters.preemptions_avoided,
             victims_skipped=counters.victims_skipped,
             deferrals_exhausted=counters.deferrals_exhausted,

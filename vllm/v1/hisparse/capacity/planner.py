@@ -1264,9 +1264,19 @@ def argument_parser() -> argparse.ArgumentParser:
 
 # vllm serve's destinations the plan reads: their planner flag, by the same destination.
 SERVE_FLAGS_USED = (
-    "model", "tensor_parallel_size", "max_model_len", "kv_cache_dtype", "gpu_memory_utilization",
-    "kv_cache_memory_bytes", "attention_config", "kv_transfer_config", "kv_offloading_size",
-    "speculative_config", "hf_overrides", "max_num_batched_tokens", "max_num_seqs",
+    "model",
+    "tensor_parallel_size",
+    "max_model_len",
+    "kv_cache_dtype",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "attention_config",
+    "kv_transfer_config",
+    "kv_offloading_size",
+    "speculative_config",
+    "hf_overrides",
+    "max_num_batched_tokens",
+    "max_num_seqs",
 )
 
 
@@ -1295,7 +1305,8 @@ def serve_command_args(args: argparse.Namespace, defaults: argparse.Namespace) -
         raise PlannerError(f"--serve-command: vllm serve does not accept it ({bad})") from None
     serve.model = serve.model_tag
     given = {
-        dest for dest, value in vars(serve).items()
+        dest
+        for dest, value in vars(serve).items()
         if dest != "model_tag" and value != getattr(serve_defaults, dest, None)
     } | {"model"}
     for dest in sorted(given & set(SERVE_FLAGS_USED)):
@@ -1306,16 +1317,20 @@ def serve_command_args(args: argparse.Namespace, defaults: argparse.Namespace) -
         value = getattr(serve, dest)
         if dest == "attention_config":
             hisparse = getattr(value, "hisparse_config", None)
-            config = {} if hisparse is None else {
-                k: v for k, v in dataclasses.asdict(hisparse).items() if v is not None
-            }
+            config = (
+                {}
+                if hisparse is None
+                else {k: v for k, v in dataclasses.asdict(hisparse).items() if v is not None}
+            )
             value = json.dumps({"hisparse_config": config} if hisparse is not None else {})
         elif dest == "kv_transfer_config":
-            value = json.dumps({
-                "kv_connector": value.kv_connector,
-                "kv_role": value.kv_role,
-                "kv_connector_extra_config": value.kv_connector_extra_config,
-            })
+            value = json.dumps(
+                {
+                    "kv_connector": value.kv_connector,
+                    "kv_role": value.kv_role,
+                    "kv_connector_extra_config": value.kv_connector_extra_config,
+                }
+            )
         elif dest in ("speculative_config", "hf_overrides"):
             value = json.dumps(value) if value else None
         setattr(args, dest, value)
