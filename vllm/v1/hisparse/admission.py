@@ -303,8 +303,9 @@ class Admissions:
         hit stands as far as the host pool holds its pages (each retained), cut at
         the connector's chunk boundary below the first page it lacks (a session's
         next turn keeps the history the pool holds and recomputes only the rest);
-        a connector whose hits cannot be cut loads all of it or nothing. Then, in hybrid mode with room in the pool (the
-        restored pages take at most half of the free blocks), the pages are
+        a connector whose hits cannot be cut loads all of it or nothing. Then, in
+        hybrid mode with room in the pool (the restored pages take at most half of
+        the free blocks), the pages are
         restored into the blocks allocated for the hit (`after_allocation`);
         otherwise they stay in the host pool: the local hit's blocks gain null
         placeholders for them in the sparse-MLA groups, and the request takes a hot

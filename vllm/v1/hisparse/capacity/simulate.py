@@ -393,6 +393,7 @@ class Simulation:
             accounting.observe(output)
             work, rows, restores = self._work(output)
             busy = output.total_num_scheduled_tokens > 0
+            seconds = 0.0
             if busy:
                 seconds = self.model.compute_seconds(work)
                 seconds += self.model.host_rows_seconds(rows)
@@ -402,12 +403,20 @@ class Simulation:
                 record.bytes_from_host += self.model.host_rows_bytes(rows) + restore_bytes
                 # The link carries the step's critical loads too.
                 self.h2d.send(clock, self.model.host_rows_bytes(rows) + restore_bytes)
-            else:
+            # The connector's loads start with the step; its stores and HiSparse's copies
+            # follow the forward. All of them queue on the links.
+            jobs_due.extend(self._connector_jobs(output, clock, clock + seconds, record))
+            plan = getattr(output, "hisparse_plan", None)
+            if plan is not None and plan.copies:
+                nbytes = self.page_bytes * len(plan.copies)
+                done = self.d2h.send(clock + seconds, nbytes)
+                record.bytes_to_host += nbytes
+                copies_due.extend((done, c.copy_id) for c in plan.copies)
+            if not busy:
                 # Nothing to compute: the engine idles until a transfer lands or a turn arrives.
                 pending = [at for at, _ in copies_due] + [at for at, _, _ in jobs_due]
                 pending += [at for at, _ in arrivals]
-                later = [at for at in pending if at > clock]
-                if not later and not copies_due and not jobs_due:
+                if not pending:
                     if not scheduler.has_requests():
                         break
                     record.stalled = (
@@ -416,16 +425,8 @@ class Simulation:
                         "requests, nothing schedulable and nothing in flight"
                     )
                     break
-                seconds = (min(later) - clock) if later else 0.0
+                seconds = max(0.0, min(pending) - clock)
             step_end = clock + seconds
-            # This step's asynchronous transfers queue on the links.
-            plan = getattr(output, "hisparse_plan", None)
-            if plan is not None and plan.copies:
-                nbytes = self.page_bytes * len(plan.copies)
-                done = self.d2h.send(step_end, nbytes)
-                record.bytes_to_host += nbytes
-                copies_due.extend((done, c.copy_id) for c in plan.copies)
-            jobs_due.extend(self._connector_jobs(output, step_end, record))
             running = len(scheduler.running)
             if busy:
                 running_time += running * seconds
@@ -534,8 +535,10 @@ class Simulation:
         return work, rows, restores
 
     def _connector_jobs(
-        self, output: SchedulerOutput, now: float, record: Record
+        self, output: SchedulerOutput, start: float, end: float, record: Record
     ) -> list[tuple[float, int, str | None]]:
+        """The step's transfer jobs on the links: (when each has crossed, job id, the
+        request of a load)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 
         meta = output.kv_connector_metadata
@@ -548,10 +551,10 @@ class Simulation:
                 nbytes = self._job_bytes(gpu)
                 if is_load:
                     record.bytes_from_host += nbytes
-                    due.append((self.h2d.send(now, nbytes), job_id, job.req_id))
+                    due.append((self.h2d.send(start, nbytes), job_id, job.req_id))
                 else:
                     record.bytes_to_host += nbytes
-                    due.append((self.d2h.send(now, nbytes), job_id, None))
+                    due.append((self.d2h.send(end, nbytes), job_id, None))
         return due
 
     def _job_bytes(self, spec: Any) -> int:

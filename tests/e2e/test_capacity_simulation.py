@@ -1,0 +1,211 @@
+"""`python -m vllm.v1.hisparse.capacity simulate`: the real scheduler at production scale.
+
+- Fidelity: on the tiny GLM-5.3's shapes and `make bench`'s workload (its quick size,
+  four sessions), the simulator's scheduler-side figures (mean running requests,
+  preemptions, pages demoted, recomputed prompt tokens) match those of the real CPU
+  engine running the same closed-loop sessions, within the tolerances below. Timings
+  are not compared: the simulator's clock is a model's, the CPU engine's is a CPU's.
+- `--quick` at GLM-5.3's production scale (8 x H200, the announcement's flags,
+  concurrency 32) prints one JSON document with a record per configuration.
+- A 1M-token session starts and completes under hybrid and cannot start without
+  HiSparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny_models
+from engine import offloading_connector as connector_flag
+from engine import running_llm
+
+from vllm.v1.hisparse.capacity import planner
+from vllm.v1.hisparse.capacity.simulate import Simulation, StepAccounting, Workload, load_constants
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = REPO / ".cache" / "tiny-models"
+pytestmark = pytest.mark.slow
+
+# `make bench`'s quick size: the announcement's sessions at 1/40 (each turn at least 16
+# tokens), four turns, 24 MiB of device KV cache, a 0.1 GiB HiSparse pool and a 64 MiB
+# connector tier, 128-token steps.
+BENCH = Workload("bench", turns=4, first_turn_tokens=1854, turn_tokens=19, output_tokens=16)
+KV_BYTES = 24 << 20
+HOST_POOL_GIB = 0.1
+CONNECTOR_BYTES = 64 << 20
+MAX_MODEL_LEN = 1984
+BATCHED_TOKENS = 128
+CONCURRENCY = 4
+# Transfers land within their step, as the CPU workers' copies and transfers do.
+INSTANT_LINKS = {"h2d_bytes_per_s": 1e30, "d2h_bytes_per_s": 1e30, "row_h2d_bytes_per_s": 1e30}
+# Tolerances: mean running within 10% relative; preemptions within 2 or 25%; pages
+# demoted within 15%; recomputed prompt tokens within 5% of the run's new prompt tokens.
+# The connector's asynchronous transfers and the CPU worker's copy reports land a step
+# apart from the simulator's in places, which moves a few admissions by a step.
+RUNNING_TOLERANCE = 0.10
+PREEMPTION_TOLERANCE = (2, 0.25)
+DEMOTION_TOLERANCE = 0.15
+RECOMPUTE_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return tiny_models.tiny_model_dir(tiny_models.TINY_GLM53, CACHE)
+
+
+def engine_run(model: Path, config: str, kv_transfer: dict | None) -> dict:
+    """The bench's closed-loop sessions through a real in-process engine, step by step:
+    each turn's next turn arrives when it ends, resending the conversation so far."""
+    from vllm import SamplingParams
+
+    overrides: dict = dict(
+        max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, kv_cache_memory_bytes=KV_BYTES
+    )
+    if config in ("offload", "hybrid"):
+        overrides["kv_transfer_config"] = kv_transfer
+    if config == "hybrid":
+        overrides["attention_config"] = {"hisparse_config": {"host_pool_gib": HOST_POOL_GIB}}
+    params = SamplingParams(max_tokens=BENCH.output_tokens, ignore_eos=True, temperature=0.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with running_llm(model, **overrides) as llm:
+            engine = llm.llm_engine
+            scheduler = engine.engine_core.engine_core.scheduler
+            accounting = StepAccounting(scheduler)
+            schedule = scheduler.schedule
+
+            def observed_schedule(*args, **kwargs):
+                output = schedule(*args, **kwargs)
+                accounting.observe(output)
+                return output
+
+            scheduler.schedule = observed_schedule
+            vocab = tiny_models.TINY_GLM53.vocab_size
+            sessions = {}
+            new_tokens = 0
+            for s in range(CONCURRENCY):
+                rng = random.Random(7000 + s)
+                prompt = [rng.randrange(3, vocab) for _ in range(BENCH.first_turn_tokens)]
+                sessions[s] = dict(rng=rng, prompt=prompt, turn=0)
+                new_tokens += len(prompt)
+                engine.add_request(f"s{s}-t0", {"prompt_token_ids": prompt}, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    s = int(out.request_id.split("-")[0][1:])
+                    session = sessions[s]
+                    session["turn"] += 1
+                    if session["turn"] >= BENCH.turns:
+                        continue
+                    extra = [session["rng"].randrange(3, vocab) for _ in range(BENCH.turn_tokens)]
+                    history = len(session["prompt"]) + len(out.outputs[0].token_ids)
+                    session["prompt"] = [*session["prompt"], *out.outputs[0].token_ids, *extra]
+                    new_tokens += len(session["prompt"]) - history
+                    engine.add_request(
+                        f"s{s}-t{session['turn']}", {"prompt_token_ids": session["prompt"]}, params
+                    )
+            hisparse = getattr(scheduler, "hisparse", None)
+            return dict(
+                mean_running_per_step=accounting.mean_running(),
+                preemptions=accounting.preemptions,
+                pages_demoted=hisparse.stats()["pages_demoted"] if hisparse is not None else 0,
+                recomputed_prompt_tokens=accounting.recomputed(new_tokens),
+                new_prompt_tokens=new_tokens,
+            )
+
+
+def simulated_run(model: Path, config: str, kv_transfer: dict) -> dict:
+    request = planner.PlanRequest(
+        model=str(model),
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=KV_BYTES,
+        hisparse_config={"host_pool_gib": HOST_POOL_GIB},
+        kv_transfer_config=planner.offloading_connector_config(kv_transfer),
+        offload_baseline_bytes=CONNECTOR_BYTES,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        session_tokens=MAX_MODEL_LEN,
+    )
+    configuration = planner.plan(request).configuration({"preemption": "none"}.get(config, config))
+    constants = {**load_constants(None), **INSTANT_LINKS}
+    record = Simulation(config, configuration, BENCH, CONCURRENCY, constants, None).run()
+    assert record.started and not record.stalled, record
+    assert record.sessions_completed == CONCURRENCY
+    return dataclasses.asdict(record)
+
+
+@pytest.mark.parametrize("config", ["preemption", "offload", "hybrid"])
+def test_the_simulator_schedules_the_bench_workload_as_the_real_engine_does(model, config):
+    with connector_flag("TieringOffloadingSpec", CONNECTOR_BYTES, label="fidelity") as kv_transfer:
+        real = engine_run(model, config, kv_transfer)
+    with connector_flag("TieringOffloadingSpec", CONNECTOR_BYTES, label="fidelity-sim") as kv_transfer:
+        simulated = simulated_run(model, config, kv_transfer)
+    report = {name: (real[name], simulated[name]) for name in real}
+    print(config, report)
+    assert simulated["new_prompt_tokens"] == real["new_prompt_tokens"], report
+    assert simulated["mean_running_per_step"] == pytest.approx(
+        real["mean_running_per_step"], rel=RUNNING_TOLERANCE
+    ), report
+    absolute, relative = PREEMPTION_TOLERANCE
+    assert abs(simulated["preemptions"] - real["preemptions"]) <= max(
+        absolute, relative * real["preemptions"]
+    ), report
+    assert simulated["pages_demoted"] == pytest.approx(real["pages_demoted"], rel=DEMOTION_TOLERANCE, abs=2)
+    assert abs(simulated["recomputed_prompt_tokens"] - real["recomputed_prompt_tokens"]) <= (
+        RECOMPUTE_TOLERANCE * real["new_prompt_tokens"]
+    ), report
+    if config == "hybrid":
+        assert real["pages_demoted"] > 0, "the workload puts hybrid under pressure"
+    if config == "preemption":
+        assert real["preemptions"] > 0 or real["recomputed_prompt_tokens"] > 0, "under pressure"
+
+
+def simulate_cli(*args: str, timeout: int = 600) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm.v1.hisparse.capacity", "simulate", *args, "--format", "json"],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout[done.stdout.index("{") :])
+
+
+REQUIRED_FIELDS = (
+    "config", "concurrency", "mean_running", "max_running", "preemptions", "output_tokens_per_s",
+    "per_user_tokens_per_s", "scheduler_ms_per_step",
+)  # fmt: skip
+
+
+def test_quick_simulation_of_glm53_on_8xh200_prints_one_record_per_configuration():
+    result = simulate_cli("--model", "glm-5.3", "-tp", "8", "--concurrency", "32", "--quick")
+    records = {r["config"]: r for r in result["records"]}
+    assert list(records) == ["preemption", "offload", "hybrid", "always"]
+    for record in records.values():
+        assert all(name in record for name in REQUIRED_FIELDS)
+        assert record["concurrency"] == 32 and record["started"] and not record["stalled"]
+        assert record["sessions_completed"] == 32 and record["requests"] == 32 * 3
+        assert record["output_tokens_per_s"] > 0 and record["per_user_tokens_per_s"] > 0
+        assert record["scheduler_ms_per_step"] > 0
+        assert record["labels"]["mean_running"] == "simulated"
+        assert record["labels"]["preemptions"] == record["labels"]["scheduler_ms_per_step"] == "measured"
+    # 8 x H200 holds about eight 75K-token sessions whole: hybrid runs more of the 32 at once.
+    assert records["hybrid"]["mean_running"] > records["offload"]["mean_running"]
+    assert records["hybrid"]["pages_demoted"] > 0 and records["offload"]["pages_demoted"] == 0
+    assert set(result["constants"]) >= {"hbm_bytes_per_s", "h2d_bytes_per_s", "mtp_acceptance"}
+
+
+def test_a_million_token_session_runs_under_hybrid_and_cannot_start_without_hisparse(tmp_path):
+    result = simulate_cli(
+        "--model", "glm-5.3", "-tp", "8", "--workload", "mix", "--concurrency", "2", "--turns", "1",
+        "--configs", "offload,hybrid",
+    )  # fmt: skip
+    records = {r["config"]: r for r in result["records"]}
+    assert not records["offload"]["started"] and "KV cache" in records["offload"]["refusal"]
+    hybrid = records["hybrid"]
+    assert hybrid["started"] and not hybrid["stalled"]
+    assert hybrid["long_sessions_completed"] == 1 and hybrid["sessions_completed"] == 2
