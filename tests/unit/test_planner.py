@@ -483,3 +483,16 @@ def test_a_whole_serve_line_plans_as_its_flags_do_and_lists_the_flags_it_does_no
 def test_a_serve_line_that_cannot_be_planned_is_refused_by_name(capsys, argv, named):
     code, _, err = run(capsys, *argv)
     assert code == 2 and named in err
+
+
+@pytest.mark.parametrize("preset", ["glm-5.3", GLM5_PRESET])
+def test_the_plan_reports_what_hisparses_kv_cache_groups_cost_the_device(preset):
+    """The grouping tax: tokens held with every page resident in the same KV cache bytes, in
+    upstream's single group and in HiSparse's groups (no resolver reserve with an exact KV
+    cache size, so the hybrid configuration's own figure is the grouped one)."""
+    result = glm5(model=preset, max_model_len=200_000)
+    none, hybrid = result.configuration("none"), result.configuration("hybrid")
+    (note,) = [n for n in result.notes if n.startswith("grouping tax")]
+    assert f"hold {hybrid.device_tokens:,} tokens where upstream's (1) hold {none.device_tokens:,}" in note
+    assert 0 < hybrid.device_tokens < none.device_tokens
+    assert len(hybrid.group_layers) > 1 == len(none.group_layers)

@@ -64,11 +64,12 @@ class BlockPoolModel:
     def frees_are_deferred(self) -> bool:
         return False
 
-    def drop_page(self, request_id, page_index, block_ids) -> int:
-        assert self.tables[request_id][page_index] == tuple(block_ids)
-        self.tables[request_id][page_index] = None
+    def drop_pages(self, request_id, pages) -> int:
         before = len(self.free)
-        self.give_back(block_ids)
+        for page_index, block_ids in pages:
+            assert self.tables[request_id][page_index] == tuple(block_ids)
+            self.tables[request_id][page_index] = None
+            self.give_back(block_ids)
         return len(self.free) - before
 
     # -- the KV cache manager's side ------------------------------------------

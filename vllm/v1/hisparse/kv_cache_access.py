@@ -159,21 +159,23 @@ class KVCacheBlockAccess:
         """Pages of the request every sparse-MLA group has committed to the prefix cache."""
         return min(m.num_cached_block.get(request_id, 0) for m in self._mla)
 
-    def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
+    def drop_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> int:
         dropped = []
-        for manager, group_id, block_id in zip(self._mla, self.mla_group_ids, block_ids, strict=True):
-            table = manager.req_to_blocks[request_id]
-            block = table[page_index]
-            assert block.block_id == block_id, (
-                f"{request_id} page {page_index}: table holds block {block.block_id}, "
-                f"residency {block_id}"
-            )
-            table[page_index] = self.null_block
-            dropped.append(block)
-            self.updates.append(
-                BlockTableUpdate(request_id, group_id, PageIndex(page_index), self.null_block_id)
-            )
-        return self._free(dropped)
+        null, null_id = self.null_block, self.null_block_id
+        tables = [(manager.req_to_blocks[request_id], group_id) for manager, group_id in zip(
+            self._mla, self.mla_group_ids, strict=True
+        )]  # fmt: skip
+        for page_index, block_ids in pages:
+            for (table, group_id), block_id in zip(tables, block_ids, strict=True):
+                block = table[page_index]
+                assert block.block_id == block_id, (
+                    f"{request_id} page {page_index}: table holds block {block.block_id}, "
+                    f"residency {block_id}"
+                )
+                table[page_index] = null
+                dropped.append(block)
+                self.updates.append(BlockTableUpdate(request_id, group_id, PageIndex(page_index), null_id))
+        return self._free(dropped) if dropped else 0
 
     # -- what the ownership check reads ----------------------------------------------
 

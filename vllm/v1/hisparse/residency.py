@@ -21,7 +21,7 @@ pages; policy never demotes it.
 
 The device blocks of a page belong to the request's block table in the KV cache
 manager: this module never frees them itself. It asks the allocator to drop a
-demoted page from the table (`drop_page`), and to hold an extra reference on
+demoted pages from the table (`drop_pages`), and to hold an extra reference on
 the blocks of a copy still in flight when its request ends (`hold`), so a block
 the worker is still reading is never handed to another request. Hot-buffer
 leases are blocks this module takes from and gives back to the same pool.
@@ -94,8 +94,9 @@ class BlockAllocator(Protocol):
     def num_exclusive(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks only one reference holds (dropping it frees them)."""
 
-    def drop_page(self, request_id: str, page_index: int, block_ids: Sequence[int]) -> int:
-        """Remove a demoted page from the request's block table and drop its references.
+    def drop_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> int:
+        """Remove demoted pages, (page index, block ids) each, from the request's block
+        table and drop their references, all at once.
 
         Returns how many blocks lost their last reference (a block another request
         still shares stays allocated); they return to the free pool at once, or
@@ -304,7 +305,8 @@ class ResidencyManager:
         """
         req = self.requests[request_id]
         if req.hot_blocks:
-            self.allocator.give_back(hot_blocks)  # a lease it already holds serves these too
+            if hot_blocks:
+                self.allocator.give_back(hot_blocks)  # a lease it already holds serves these too
         else:
             if len(hot_blocks) != req.lease_blocks:
                 raise ValueError(
@@ -697,20 +699,25 @@ class ResidencyManager:
                         self._marked.pop((req.request_id, index), None)
                 self.counters.victims_skipped += 1
                 return 0
-        freed = 0
-        demotable = req.num_demotable_pages
+        dropped = []
         for index in indices:
             page = req.pages[index]
             assert page.state is PageState.BOTH, "a page leaves the GPU only once its copy is durable"
             assert page.block_ids is not None
-            freed += self.allocator.drop_page(req.request_id, index, page.block_ids)
+            dropped.append((index, page.block_ids))
+        freed = self.allocator.drop_pages(req.request_id, dropped)
+        demotable = req.num_demotable_pages
+        demoted = set(indices)
+        for index in indices:
+            page = req.pages[index]
             page.block_ids = None
             if page.demote_when_copied:
                 page.demote_when_copied = False
                 self._marked.pop((req.request_id, index), None)
             if index < demotable:
-                req.both_demotable.remove(index)
                 req.num_host_demotable += 1
+        if req.both_demotable:
+            req.both_demotable = [i for i in req.both_demotable if i not in demoted]
         req.num_host_pages += len(indices)
         req.num_both_pages -= len(indices)
         self._page_counts[PageState.BOTH] -= len(indices)

@@ -524,13 +524,25 @@ class HiSparseScheduling:
         pages, restores and lease pass over as their pages are (the record keeps the rest)."""
         residency = self.residency
         req = residency.requests[request_id]
+        # Consecutive HOST pages pass over in one run each (a host prefix hit is hundreds).
+        run: list[int] = []
+        run_imported = False
+
+        def pass_run() -> None:
+            if run:
+                lease, record.lease = record.lease, []
+                residency.append_host_pages(request_id, list(run), lease, imported=run_imported)
+                run.clear()
+
         for position in range(len(req.pages), self.blocks.num_table_pages(request_id)):
             if position in record.host_pages:
-                lease, record.lease = record.lease, []
-                residency.append_host_pages(
-                    request_id, [record.host_pages.pop(position)], lease, imported=position in record.landed
-                )
+                imported = position in record.landed
+                if run and imported != run_imported:
+                    pass_run()
+                run_imported = imported
+                run.append(record.host_pages.pop(position))
                 continue
+            pass_run()
             block_ids = self.blocks.page_block_ids(request_id, position)
             if position in record.restores:
                 residency.append_restored_page(request_id, block_ids, record.restores.pop(position))
@@ -538,6 +550,7 @@ class HiSparseScheduling:
                 # A null placeholder always comes with its host page (the admission's).
                 assert self.null_block_id not in block_ids, f"{request_id}: page {position} has no copy"
                 residency.append_pages(request_id, [block_ids])
+        pass_run()
         assert not record.host_pages, f"{request_id}: host pages {record.host_pages} beyond its block table"
         assert not record.restores, f"{request_id}: restored pages {record.restores} beyond its block table"
         if record.lease:  # no HOST page after all

@@ -891,6 +891,39 @@ def plan_configuration(
     )
 
 
+def resident_tokens(vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], kv_bytes: int) -> int:
+    """Tokens `kv_bytes` of KV cache hold with every page resident, in this config's layout."""
+    kv_cache_config = kv_cache_configs_or_refusal(vllm_config, specs, kv_bytes, 1)
+    if isinstance(kv_cache_config, str):
+        return 0
+    groups = kv_cache_config.kv_cache_groups
+    block_size = groups[0].kv_cache_spec.block_size
+    usable = kv_cache_config.num_blocks - 1
+    return usable // full_session_blocks(vllm_config, groups, block_size) * block_size
+
+
+def grouping_tax_note(
+    none: ConfigurationPlan,
+    vllm_config: VllmConfig,
+    specs: dict[str, KVCacheSpec],
+    kv_bytes: int,
+    hybrid: ConfigurationPlan,
+) -> str:
+    """What HiSparse's KV cache layout costs the device: tokens held all resident with the
+    same KV cache bytes, in upstream's groups and in HiSparse's, then less its resolver's
+    reserve."""
+    grouped = resident_tokens(vllm_config, specs, kv_bytes)
+    tax = 1 - grouped / none.device_tokens if none.device_tokens else 0.0
+    text = (
+        f"grouping tax: with every page resident, HiSparse's KV cache groups ({len(hybrid.group_layers)}) "
+        f"hold {grouped:,} tokens where upstream's ({len(none.group_layers)}) hold "
+        f"{none.device_tokens:,} ({tax:.1%} fewer)"
+    )
+    if hybrid.device_tokens != grouped:
+        text += f"; less the resolver's reserve, {hybrid.device_tokens:,}"
+    return text
+
+
 def build_engine_configs(
     request: PlanRequest, model_dir: Path, model_max_len_note: list[str]
 ) -> dict[Configuration, VllmConfig]:
@@ -984,6 +1017,8 @@ def plan(request: PlanRequest) -> Plan:
                     '"Plan memory")'
                 )
             plans.append(plan_configuration(request, name, vllm_config, specs, kv_bytes - reserve))
+            if name == "hybrid":
+                notes.append(grouping_tax_note(plans[0], vllm_config, specs, kv_bytes, plans[-1]))
         hybrid = configs["hybrid"]
         sparse = [s for n, s in specs.items() if not n.endswith(INDEXER_LAYER_SUFFIX)]
         indexers = [s for n, s in specs.items() if n.endswith(INDEXER_LAYER_SUFFIX)]

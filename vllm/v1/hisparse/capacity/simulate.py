@@ -29,6 +29,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -70,6 +71,8 @@ H200_GIB = 141
 MAPPED_SPECS = ("TieringOffloadingSpec",)
 DEFAULT_CONCURRENCY = (8, 16, 32, 64)
 QUICK_TURNS = 3
+# The mix (OpenHands sessions and a 1M-token one) runs at the announcement's concurrency.
+DEFAULT_MIX_CONCURRENCY = 32
 # The synthetic sampled token: a plain vocabulary id (not bos/eos/pad).
 SAMPLED_TOKEN = 100
 # Figures from real code (the scheduler, HiSparse, the connector, wall clocks here)
@@ -91,6 +94,8 @@ MEASURED = (
 )
 SIMULATED = (
     "mean_running",
+    "mean_running_all",
+    "steady_state_s",
     "output_tokens_per_s",
     "per_user_tokens_per_s",
     "ttft_p50_s",
@@ -147,7 +152,11 @@ class Record:
     requests: int = 0
     sessions_completed: int = 0
     long_sessions_completed: int = 0
+    # Time-weighted on the simulated clock: in the steady state (every session past its
+    # first token, none finished; the whole run where that is empty), and over the run.
     mean_running: float = 0.0
+    mean_running_all: float = 0.0
+    steady_state_s: float = 0.0
     mean_running_per_step: float = 0.0
     max_running: int = 0
     preemptions: int = 0
@@ -174,6 +183,16 @@ class Record:
     labels: dict[str, str] = field(default_factory=dict)
 
 
+def _time_mean(timeline: Sequence[tuple[float, float, int]], start: float, end: float) -> float:
+    """Mean of the running count over [start, end] of the simulated clock."""
+    total = 0.0
+    for at, seconds, running in timeline:
+        overlap = min(at + seconds, end) - max(at, start)
+        if overlap > 0:
+            total += running * overlap
+    return total / (end - start) if end > start else 0.0
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
@@ -190,6 +209,7 @@ class _Turn:
     prompt_tokens: int
     new_tokens: int
     output_tokens: int
+    last_turn: int
     first_token: float | None = None
     last_token: float | None = None
 
@@ -352,7 +372,7 @@ class Simulation:
         copies_due: list[tuple[float, int]] = []  # (lands at, copy id)
         jobs_due: list[tuple[float, int, str | None]] = []  # (done at, job id, request of a load)
         clock = 0.0
-        running_time = 0.0
+        timeline: list[tuple[float, float, int]] = []  # busy steps: (start, seconds, running)
         accounting = StepAccounting(self.scheduler)
         sched_ms: list[float] = []
         spec_tokens = self.model.shape.num_speculative_tokens
@@ -376,6 +396,7 @@ class Simulation:
                 len(session.prompt),
                 len(session.prompt) - session.history,
                 output,
+                session.turns - 1,
             )
             record.new_prompt_tokens += len(session.prompt) - session.history
             return request_id
@@ -429,7 +450,7 @@ class Simulation:
             step_end = clock + seconds
             running = len(scheduler.running)
             if busy:
-                running_time += running * seconds
+                timeline.append((clock, seconds, running))
                 record.max_running = max(record.max_running, running)
             clock = step_end
             model_output = self._model_output(output, copies_due, jobs_due, clock)
@@ -458,8 +479,8 @@ class Simulation:
             if spec_tokens:
                 self._propose_drafts(output, spec_tokens)
             if self.hisparse is not None:
-                stats = self.hisparse.stats()
-                record.host_pages_used_max = max(record.host_pages_used_max, stats["host_pages_used"])
+                used = self.hisparse.residency.host_pool.num_referenced
+                record.host_pages_used_max = max(record.host_pages_used_max, used)
         else:
             record.stalled = f"not finished after {max_steps} steps"
         if self.hisparse is not None:
@@ -472,7 +493,13 @@ class Simulation:
         record.requests = len(finished_turns)
         record.output_tokens = sum(t.output_tokens for t in finished_turns)
         record.output_tokens_per_s = record.output_tokens / clock if clock > 0 else 0.0
-        record.mean_running = running_time / clock if clock > 0 else 0.0
+        record.mean_running_all = _time_mean(timeline, 0.0, clock)
+        # Steady state: from the last session's first token to the first session's end.
+        firsts = [t.first_token for t in finished_turns if t.turn == 0 and t.first_token is not None]
+        lasts = [t.last_token for t in finished_turns if t.turn == t.last_turn and t.last_token is not None]
+        start, end = max(firsts, default=0.0), min(lasts, default=clock)
+        record.steady_state_s = max(0.0, end - start)
+        record.mean_running = _time_mean(timeline, start, end) if end > start else record.mean_running_all
         record.mean_running_per_step = accounting.mean_running()
         tpots = [
             (t.last_token - t.first_token) / (t.output_tokens - 1)
@@ -631,42 +658,76 @@ def plan_configurations(
     return configurations, base
 
 
+# The configurations each worker process simulates, inherited from the parent (fork).
+_PLANNED: dict[int, tuple[dict[str, planner.ConfigurationPlan], planner.Plan]] = {}
+
+
+def _simulate_one(
+    max_model_len: int,
+    workload: Workload,
+    config: str,
+    concurrency: int,
+    constants: dict[str, float],
+    seed: int,
+) -> Record:
+    configurations, plan = _PLANNED[max_model_len]
+    weight_bytes = plan.weights.bytes_per_gpu if plan.weights is not None else None
+    sim = Simulation(config, configurations[config], workload, concurrency, constants, weight_bytes, seed)
+    return sim.run()
+
+
 def simulate(
     request: planner.PlanRequest,
-    workloads: Sequence[Workload],
-    concurrencies: Sequence[int],
+    runs: Sequence[tuple[Workload, Sequence[int]]],
     configs: Sequence[str] = CONFIGS,
     constants: dict[str, float] | None = None,
     seed: int = 0,
     progress: Any = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
-    """Every (workload, configuration, concurrency) record, and what they were run on."""
+    """Every (workload, configuration, concurrency) record, and what they were run on: each
+    workload at its own concurrencies. `jobs` > 1 runs simulations side by side in that
+    many processes (each a scheduler of its own; the records are the same)."""
     constants = constants or load_constants(None)
-    records: list[Record] = []
-    plans: dict[int, tuple[dict[str, planner.ConfigurationPlan], planner.Plan]] = {}
-    for workload in workloads:
+    plans = _PLANNED
+    plans.clear()
+    tasks = []
+    for workload, concurrencies in runs:
         max_model_len = workload.max_model_len(request.max_model_len or request.session_tokens)
         if max_model_len not in plans:
             plans[max_model_len] = plan_configurations(
                 dataclasses.replace(request, max_model_len=max_model_len)
             )
-        configurations, plan = plans[max_model_len]
-        weight_bytes = plan.weights.bytes_per_gpu if plan.weights is not None else None
-        for concurrency in concurrencies:
-            for config in configs:
-                sim = Simulation(
-                    config, configurations[config], workload, concurrency, constants, weight_bytes, seed
-                )
-                record = sim.run()
-                records.append(record)
+        tasks += [
+            (max_model_len, workload, config, c, constants, seed) for c in concurrencies for config in configs
+        ]
+    done: dict[int, Record] = {}
+    if jobs <= 1 or len(tasks) == 1:
+        for i, task in enumerate(tasks):
+            done[i] = _simulate_one(*task)
+            if progress is not None:
+                progress(done[i])
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # The longest runs first (the most sessions, HiSparse's), so the workers finish together.
+        order = sorted(
+            range(len(tasks)), key=lambda i: (-tasks[i][3], tasks[i][2] in ("preemption", "offload"))
+        )
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_simulate_one, *tasks[i]): i for i in order}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
                 if progress is not None:
-                    progress(record)
+                    progress(done[futures[future]])
+    records = [done[i] for i in range(len(tasks))]
     any_plan = next(iter(plans.values()))[1]
     return {
         "model": any_plan.model,
         "tensor_parallel_size": any_plan.tensor_parallel_size,
         "kv_cache_bytes_per_gpu": any_plan.kv_cache_bytes_per_gpu,
-        "workloads": [dataclasses.asdict(w) for w in workloads],
+        "workloads": [dataclasses.asdict(w) | {"concurrency": list(c)} for w, c in runs],
         "constants": {
             name: {"value": constants[name], "unit": c.unit, "source": c.source}
             for name, c in CONSTANTS.items()
@@ -805,6 +866,12 @@ def argument_parser() -> argparse.ArgumentParser:
         help="openhands: the announcement's sessions; mix: the same with --long-sessions "
         "sessions of --long-session-tokens (max_model_len 1M); both (default)",
     )
+    group.add_argument(
+        "--mix-concurrency",
+        default=None,
+        help="comma-separated concurrent sessions of the mix (default: 32, or --concurrency's "
+        "values with --workload mix)",
+    )
     group.add_argument("--turns", type=int, default=None, help="turns per session (default 13; --quick 3)")
     group.add_argument(
         "--long-sessions", type=int, default=1, help="1M-token sessions in the mix (default 1)"
@@ -826,8 +893,25 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--list-constants", action="store_true", help="print the step model's constants")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="simulations run side by side, one process each (default: 2, or 1 on one core); "
+        "1 gives the scheduler's CPU time without a neighbour",
+    )
     group.add_argument("--png", type=Path, help="write the interactivity-throughput Pareto plot here")
     return parser
+
+
+def _concurrencies(flag: str, text: str) -> list[int]:
+    try:
+        values = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise planner.PlannerError(f"{flag} {text!r}: give integers, e.g. 8,16,32,64") from None
+    if not values or values[0] < 1:
+        raise planner.PlannerError(f"{flag} {text!r}: give positive integers, e.g. 8,16,32,64")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -841,16 +925,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.session_tokens == planner.DEFAULT_SESSION_TOKENS and args.max_model_len is None:
             args.max_model_len = planner.DEFAULT_SESSION_TOKENS
         request = planner.request_from_args(args, parser.parse_args([]))
-        concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c})
+        concurrencies = _concurrencies("--concurrency", args.concurrency)
+        if args.mix_concurrency is not None:
+            mix_concurrencies = _concurrencies("--mix-concurrency", args.mix_concurrency)
+        else:
+            mix_concurrencies = concurrencies if args.workload == "mix" else [DEFAULT_MIX_CONCURRENCY]
         configs = [c for c in args.configs.split(",") if c]
         unknown = [c for c in configs if c not in CONFIGS]
         if unknown or not configs:
             raise planner.PlannerError(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-        if not concurrencies or min(concurrencies) < 1:
-            raise planner.PlannerError("--concurrency: give positive integers, e.g. 8,16,32,64")
         turns = args.turns or (QUICK_TURNS if args.quick else OPENHANDS.turns)
-        if turns < 1 or args.long_sessions < 0:
-            raise planner.PlannerError("--turns must be >= 1 and --long-sessions >= 0")
+        if turns < 1 or args.long_sessions < 0 or args.jobs < 1:
+            raise planner.PlannerError("--turns and --jobs must be >= 1 and --long-sessions >= 0")
         openhands = dataclasses.replace(OPENHANDS, turns=turns)
         mix = dataclasses.replace(
             openhands,
@@ -858,9 +944,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             long_sessions=args.long_sessions,
             long_session_tokens=args.long_session_tokens,
         )
-        workloads = {"openhands": [openhands], "mix": [mix], "both": [openhands, mix]}[
-            "openhands" if args.quick else args.workload
-        ]
+        runs = {
+            "openhands": [(openhands, concurrencies)],
+            "mix": [(mix, mix_concurrencies)],
+            "both": [(openhands, concurrencies), (mix, mix_concurrencies)],
+        }["openhands" if args.quick else args.workload]
         constants = load_constants(args.constants)
     except (ValueError, planner.PlannerError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -880,7 +968,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     try:
-        result = simulate(request, workloads, concurrencies, configs, constants, args.seed, progress)
+        result = simulate(request, runs, configs, constants, args.seed, progress, args.jobs)
     except planner.PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
