@@ -1,0 +1,80 @@
+"""The capacity simulator's step-time model: its arithmetic and its constants file."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from vllm.v1.hisparse.capacity.step_model import (
+    CONSTANTS,
+    ModelShape,
+    ScheduledWork,
+    StepModel,
+    load_constants,
+    sum_min,
+)
+
+
+@pytest.mark.parametrize("cap", [1, 7, 64, 2048])
+def test_rows_attended_equal_a_count_token_by_token(cap):
+    rng = random.Random(cap)
+    for _ in range(200):
+        start = rng.randrange(0, 3 * cap + 5)
+        end = start + rng.randrange(0, 2 * cap + 5)
+        assert sum_min(start, end, cap) == sum(min(p, cap) for p in range(start + 1, end + 1))
+
+
+def test_accepted_drafts_follow_the_chained_acceptance():
+    model = StepModel(None, {**load_constants(None), "mtp_acceptance": 0.75})  # type: ignore[arg-type]
+    rng = random.Random(0)
+    draws = [model.accepted_tokens(3, rng.random()) for _ in range(40_000)]
+    # P(at least n accepted) = 0.75^n, at most 3.
+    for n in (1, 2, 3):
+        assert sum(d >= n for d in draws) / len(draws) == pytest.approx(0.75**n, abs=0.01)
+    assert max(draws) == 3 and model.accepted_tokens(0, 0.1) == 0
+
+
+def test_constants_are_overridden_from_a_file_and_bad_files_are_refused(tmp_path):
+    good = tmp_path / "measured.json"
+    good.write_text(json.dumps({"h2d_bytes_per_s": 41.5e9, "row_h2d_bytes_per_s": 12e9}))
+    values = load_constants(good)
+    assert values["h2d_bytes_per_s"] == 41.5e9 and values["row_h2d_bytes_per_s"] == 12e9
+    assert values["hbm_bytes_per_s"] == CONSTANTS["hbm_bytes_per_s"].value
+    for text, message in (
+        ('{"pcie": 1}', "unknown constants"),
+        ('{"h2d_bytes_per_s": "fast"}', "must be a number"),
+        ("[1, 2]", "JSON object"),
+        ("{", "not a readable JSON object"),
+    ):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_constants(bad)
+    assert all(c.source for c in CONSTANTS.values())
+
+
+def shape(**changes) -> ModelShape:
+    base = dict(
+        num_layers=78, num_indexer_layers=21, drafter_layers=0, num_speculative_tokens=0, index_topk=2048,
+        heads_per_gpu=8, kv_lora_rank=512, qk_rope_head_dim=64, index_heads=32, index_head_dim=128,
+        hidden_size=6144, tensor_parallel_size=8, dense_weight_bytes=20e9, expert_weight_bytes=70e9,
+        dense_active_params=15e9, expert_params=1e9, routed_experts=256, experts_per_token=8,
+        sparse_row_bytes=656, indexer_row_bytes=132,
+    )  # fmt: skip
+    return ModelShape(**{**base, **changes})
+
+
+def test_a_step_costs_more_with_more_context_tokens_and_host_rows():
+    model = StepModel(shape(), load_constants(None))
+    decode = [ScheduledWork(10_000, 10_001, True)] * 8
+    longer = [ScheduledWork(100_000, 100_001, True)] * 8
+    assert 0 < model.compute_seconds(decode) < model.compute_seconds(longer)
+    assert model.compute_seconds(decode) < model.compute_seconds([*decode, ScheduledWork(0, 8192, False)])
+    assert model.host_rows_seconds(0) == 0 < model.host_rows_seconds(200)
+    # A decode step loads the hot buffer's misses; a prefill chunk its tokens' union.
+    assert model.miss_rows(2048, 0.5, 4, True, 50_000) == round(2048 * 0.5 * 0.1)
+    assert model.miss_rows(2048, 0.5, 753, False, 50_000) == 8 * 1024
+    assert model.miss_rows(2048, 0.5, 753, False, 4_000) == 4_000
+    assert model.miss_rows(2048, 0.0, 4, True, 50_000) == 0
