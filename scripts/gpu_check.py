@@ -13,7 +13,8 @@ Needs torch with CUDA and nvcc (no vLLM, no network). It:
 4. measures, with CUDA events: resolver time per step and per layer at batch 64 with
    0%, 10% and 50% misses, the host->device GB/s of the miss path and of page copies,
    and one batched post-forward copy against one launch per layer;
-5. writes the figures and verdicts to --out (default docs/kernels.md).
+5. writes the figures and verdicts to --out (default docs/kernels.md), and the measured
+   bandwidths beside it as `simulator-constants.json` for the capacity simulator.
 
 Exit status: 0 when every check is bit-exact (and pytest passed), 1 otherwise, 2 when
 this machine has no CUDA device or cannot build the extension.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -135,6 +137,21 @@ def timings() -> dict:
     return {"resolver": resolver, "pages": pages, "failures": failures}
 
 
+def simulator_constants(figures: dict) -> dict[str, float]:
+    """The measured bandwidths as the capacity simulator's constants (`python -m
+    vllm.v1.hisparse.capacity simulate --constants FILE`): whole-page copies each way, and
+    the resolver's miss path (its rows gathered host -> device) at 50% misses."""
+    constants = {}
+    pages, resolver = figures.get("pages", {}), figures.get("resolver", {})
+    if pages.get(False, {}).get("batched_gbps"):
+        constants["h2d_bytes_per_s"] = pages[False]["batched_gbps"] * 1e9
+    if pages.get(True, {}).get("batched_gbps"):
+        constants["d2h_bytes_per_s"] = pages[True]["batched_gbps"] * 1e9
+    if resolver.get(0.5, {}).get("h2d_gbps"):
+        constants["row_h2d_bytes_per_s"] = resolver[0.5]["h2d_gbps"] * 1e9
+    return constants
+
+
 def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[str, dict]], figures: dict,
                  command: str) -> None:
     lines = [
@@ -223,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = timings()
     command = "python3 scripts/gpu_check.py" + (" --quick" if args.quick else "")
     write_report(args.out, machine, pytest_result, rows, figures, command)
-    print(f"gpu_check: wrote {args.out}")
+    constants = args.out.with_name("simulator-constants.json")
+    constants.write_text(json.dumps(simulator_constants(figures), indent=2) + "\n")
+    print(f"gpu_check: wrote {args.out} and {constants} (capacity simulate --constants)")
     exact = all(result["bit_exact"] for _, result in rows)
     return 0 if exact and not figures["failures"] and not pytest_result.startswith("FAILED") else 1
 

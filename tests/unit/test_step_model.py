@@ -78,3 +78,24 @@ def test_a_step_costs_more_with_more_context_tokens_and_host_rows():
     assert model.miss_rows(2048, 0.5, 753, False, 50_000) == 8 * 1024
     assert model.miss_rows(2048, 0.5, 753, False, 4_000) == 4_000
     assert model.miss_rows(2048, 0.0, 4, True, 50_000) == 0
+
+
+def test_gpu_checks_bandwidths_become_the_simulators_constants(tmp_path):
+    """scripts/gpu_check.py writes what it measured as a constants file `--constants` reads."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    figures = {
+        "pages": {True: {"batched_gbps": 48.0}, False: {"batched_gbps": 52.5}},
+        "resolver": {0.0: {"h2d_gbps": 0.0}, 0.5: {"h2d_gbps": 17.25}},
+    }
+    constants = gpu_check.simulator_constants(figures)
+    assert constants == {"h2d_bytes_per_s": 52.5e9, "d2h_bytes_per_s": 48e9, "row_h2d_bytes_per_s": 17.25e9}
+    path = tmp_path / "simulator-constants.json"
+    path.write_text(json.dumps(constants))
+    assert load_constants(path)["row_h2d_bytes_per_s"] == 17.25e9
+    assert gpu_check.simulator_constants({"pages": {}, "resolver": {}}) == {}
