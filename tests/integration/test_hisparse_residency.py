@@ -469,3 +469,26 @@ def test_a_full_host_pool_falls_back_to_preemption_and_loses_nothing(model):
     assert max(o.hisparse_stats["host_pages_used"] for o in obs) == 12, "the host pool filled up"
     assert h.total_preemptions > 0
     assert obs[-1].hisparse_stats["host_pages_used"] == 0
+
+
+def test_a_finished_sessions_indexer_pages_outlive_pages_the_host_pool_already_holds(model):
+    """Under pressure the device evicts prefix-cache blocks oldest first. A finished
+    request's sparse-MLA pages whose copies the host pool holds are worth nothing on the
+    device that the pool cannot give back, while its indexer pages exist nowhere else
+    (without a connector): they go to the front of the eviction order. A's session ends,
+    then C's; B's allocation then evicts C's host-backed sparse-MLA blocks, not A's indexer
+    pages, so A's next turn starts from the host pool instead of recomputing."""
+    h = SchedulerHarness.create(model=model, num_blocks=101, attention_config=HISPARSE, max_model_len=768)
+    first = prompt(1, 640)
+    h.add_request(first, max_tokens=1, request_id="A1")
+    h.run_until_done()
+    h.add_request(prompt(2, 640), max_tokens=1, request_id="C1")
+    h.run_until_done()
+    h.add_request(prompt(3, 448), max_tokens=1, request_id="B1")
+    h.run_until_done()
+    second = [*first, *h.requests["A1"].output_token_ids, *prompt(4, 60)]
+    h.add_request(second, max_tokens=2, request_id="A2")
+    h.step()
+    started = h.observations[-1].new_request_cached_tokens.get("A2")
+    assert started == len(first), f"A2 started at token {started}, not after A1's {len(first) // BLOCK} pages"
+    run_checked(h)

@@ -122,6 +122,26 @@ class KVCacheBlockAccess:
     def num_exclusive(self, block_ids: Sequence[int]) -> int:
         return sum(b.ref_cnt == 1 for b in self._blocks(block_ids))
 
+    def front_is_cached(self) -> bool:
+        """Whether the next block an allocation takes holds a prefix-cache entry."""
+        queue = self._pool.free_block_queue
+        front = queue.fake_free_list_head.next_free_block
+        return front is not None and front is not queue.fake_free_list_tail and front.block_hash is not None
+
+    def evict_first(self, blocks: Sequence[tuple[int, object]]) -> int:
+        """Move these freed, still cached blocks, (block id, its hash when recorded) each, to
+        the front of the pool's eviction order. A block since taken again or cached anew is
+        left where it is. How many moved."""
+        queue = self._pool.free_block_queue
+        moved = []
+        for block_id, block_hash in blocks:
+            block = self._pool.blocks[block_id]
+            if block.ref_cnt == 0 and block.block_hash == block_hash and block.prev_free_block is not None:
+                queue.remove(block)
+                moved.append(block)
+        queue.prepend_n(moved)
+        return len(moved)
+
     # -- the prefix cache ----------------------------------------------------------
 
     def cached_page(self, block_hash: object, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
@@ -175,7 +195,14 @@ class KVCacheBlockAccess:
                 table[page_index] = null
                 dropped.append(block)
                 self.updates.append(BlockTableUpdate(request_id, group_id, PageIndex(page_index), null_id))
-        return self._free(dropped) if dropped else 0
+        if not dropped:
+            return 0
+        deferred = self.frees_are_deferred()
+        freed = self._free(dropped)
+        if not deferred:
+            # The host pool holds these pages: evicting them costs nothing it cannot give back.
+            self.evict_first([(b.block_id, b.block_hash) for b in dropped])
+        return freed
 
     # -- what the ownership check reads ----------------------------------------------
 

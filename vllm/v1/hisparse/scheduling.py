@@ -52,7 +52,7 @@ from vllm.v1.hisparse.plan import (
     PageRestore,
     StepStaging,
 )
-from vllm.v1.hisparse.residency import RequestState, ResidencyManager
+from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -145,6 +145,10 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         self._steps = itertools.count()
         self.staging_rows_leased = 0
+        # Sparse-MLA blocks of released requests' BOTH pages, for `after_free`; and how many
+        # were moved to the front of the eviction order.
+        self._host_backed: list[tuple[int, object]] = []
+        self.blocks_evicted_first = 0
         # Rows of the staging budget the pool could not spare (those chunks took more passes).
         self.staging_rows_short = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
@@ -349,7 +353,36 @@ class HiSparseScheduling:
         self.admissions.release(request.request_id)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
+        self._note_host_backed(request.request_id)
         self.residency.finish(request.request_id)
+
+    def _note_host_backed(self, request_id: str) -> None:
+        """The request's BOTH pages' sparse-MLA blocks (with their hashes), which its free
+        is about to put into the prefix cache: the host pool holds their content too."""
+        req = self.residency.requests.get(request_id)
+        if req is None or not req.num_both_pages or not self.enable_caching:
+            return
+        pool = self.blocks.pool_blocks()
+        for page in req.pages:
+            if page.state is PageState.BOTH:
+                assert page.block_ids is not None
+                self._host_backed.extend((b, pool[b].block_hash) for b in page.block_ids)
+
+    def under_pressure(self) -> bool:
+        """Whether the device is short of blocks: pages live only in the host pool (relief
+        demoted them, or mode "always" does), or allocations already evict cached blocks."""
+        return self.residency.pages_by_state()[PageState.HOST] > 0 or self.blocks.front_is_cached()
+
+    def after_free(self) -> None:
+        """After a released request's blocks went back to the pool, under pressure: its
+        host-backed sparse-MLA blocks are evicted before any other cached block (a
+        session's indexer pages, which exist nowhere else, then outlive them, and its next
+        turn starts from the host pool instead of recomputing). Without pressure they stay
+        in LRU order, for a next turn that finds its whole history on the device."""
+        if self._host_backed:
+            if self.under_pressure():
+                self.blocks_evicted_first += self.blocks.evict_first(self._host_backed)
+            self._host_backed.clear()
 
     def has_pending_work(self) -> bool:
         """Copies in flight whose reports only later steps collect: the engine keeps stepping."""
@@ -583,6 +616,8 @@ class HiSparseScheduling:
             pages_restored=self.admissions.counters.pages_restored,
             # KV connector hits cut to the pages the host pool held of them.
             connector_hits_cut=self.admissions.counters.hits_cut,
+            # Released host-backed sparse-MLA blocks put first in the eviction order.
+            blocks_evicted_first=self.blocks_evicted_first,
             preemptions_avoided=counters.preemptions_avoided,
             victims_skipped=counters.victims_skipped,
             deferrals_exhausted=counters.deferrals_exhausted,
