@@ -61,6 +61,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Pages of KV connector hits restored host -> device.",
         "pages_restored",
     ),
+    "vllm:hisparse_blocks_evicted_first": (
+        "Released host-backed sparse-MLA blocks put first in the device's eviction order under pressure.",
+        "blocks_evicted_first",
+    ),
     "vllm:hisparse_connector_hits_cut": (
         "KV connector hits cut short where the host pool's pages of them ended (the rest is recomputed).",
         "connector_hits_cut",
