@@ -492,3 +492,23 @@ def test_a_finished_sessions_indexer_pages_outlive_pages_the_host_pool_already_h
     started = h.observations[-1].new_request_cached_tokens.get("A2")
     assert started == len(first), f"A2 started at token {started}, not after A1's {len(first) // BLOCK} pages"
     run_checked(h)
+
+
+def test_a_device_prefix_hit_whose_pages_the_host_pool_holds_is_not_copied_again(model):
+    """A session's next turn finds its history on the device (no pressure) and runs FULL.
+    The host pool still holds the copies the first turn made: the hit's pages are BOTH at
+    once, with those copies, and only the turn's new pages cross to the host."""
+    h = harness(model, 64)
+    first = prompt(1, 640)
+    h.add_request(first, max_tokens=1, request_id="A1")
+    h.run_until_done()
+    copied = h.hisparse.stats()["pages_copied_to_host"]
+    assert copied == len(first) // BLOCK
+    second = [*first, *h.requests["A1"].output_token_ids, *prompt(2, 200)]
+    h.add_request(second, max_tokens=2, request_id="A2")
+    observations = run_checked(h)
+    assert observations[0].new_request_cached_tokens["A2"] == len(first), "a device prefix hit"
+    copies = [c for o in observations if o.hisparse_plan for c in o.hisparse_plan.copies]
+    assert all(c.page_index >= len(first) // BLOCK for c in copies), "a page the pool holds was copied again"
+    assert h.hisparse.stats()["pages_copied_to_host"] - copied == len(copies) == (len(second) // BLOCK) - 10
+    assert h.hisparse.stats()["copies_avoided"] == len(first) // BLOCK

@@ -61,6 +61,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Pages of KV connector hits restored host -> device.",
         "pages_restored",
     ),
+    "vllm:hisparse_copies_avoided": (
+        "Proactive page copies not made because the host pool already held the page's content.",
+        "copies_avoided",
+    ),
     "vllm:hisparse_blocks_evicted_first": (
         "Released host-backed sparse-MLA blocks put first in the device's eviction order under pressure.",
         "blocks_evicted_first",

@@ -192,6 +192,8 @@ class ResidencyCounters:
     # Pages of a KV connector's import written straight into the host pool.
     pages_imported_to_host: int = 0
     preemptions_avoided: int = 0
+    # Proactive copies not made: the host pool already held the page's content.
+    copies_avoided: int = 0
     # Victims unmarked because demoting them could not pay for their lease, and
     # preemptions allowed once deferrals reached MAX_PREEMPTION_DEFERRALS.
     victims_skipped: int = 0
@@ -459,8 +461,9 @@ class ResidencyManager:
             for req in self.requests.values():
                 if len(wanted) >= self.max_copies_per_step:
                     break
-                for index in itertools.islice(req.uncopied, self.max_copies_per_step - len(wanted)):
-                    wanted.append((req.request_id, index))
+                for index in list(itertools.islice(req.uncopied, self.max_copies_per_step - len(wanted))):
+                    if not self._reuse_host_copy(req, index):
+                        wanted.append((req.request_id, index))
         copies: list[PageCopy] = []
         for request_id, index in wanted[: self.max_copies_per_step]:
             try:
@@ -479,6 +482,27 @@ class ResidencyManager:
                 self._mark(req, index)
             copies.append(copy)
         return copies
+
+    def _reuse_host_copy(self, req: RequestResidency, index: int) -> bool:
+        """A complete DEVICE page whose content the host pool already holds (an earlier
+        request's copy of the same block hash, e.g. a session's history found again on the
+        device): BOTH at once with that copy, retained, instead of copying it again."""
+        page = req.pages[index]
+        block_hash = req.page_hash(index)
+        if block_hash is None or page.demote_when_copied:
+            return False
+        host_page = self.host_pool.retain_cached(block_hash)
+        if host_page is None:
+            return False
+        page.host_page = host_page
+        req.uncopied.pop(index, None)
+        req.num_both_pages += 1
+        self._page_counts[PageState.DEVICE] -= 1
+        self._page_counts[PageState.BOTH] += 1
+        if index < req.num_demotable_pages:
+            self._add_settled(req, index)
+        self.counters.copies_avoided += 1
+        return True
 
     def _reported(self, copy_id: CopyId) -> PageCopy:
         copy = self._in_flight.pop(copy_id, None)

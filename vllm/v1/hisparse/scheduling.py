@@ -619,6 +619,8 @@ class HiSparseScheduling:
             # Released host-backed sparse-MLA blocks put first in the eviction order.
             blocks_evicted_first=self.blocks_evicted_first,
             preemptions_avoided=counters.preemptions_avoided,
+            # Proactive copies not made because the host pool already held the page.
+            copies_avoided=counters.copies_avoided,
             victims_skipped=counters.victims_skipped,
             deferrals_exhausted=counters.deferrals_exhausted,
             hot_lease_blocks=sum(len(req.hot_blocks) for req in self.residency.requests.values()),
