@@ -326,20 +326,25 @@ def test_the_ownership_check_sees_a_reference_nobody_holds(model):
         h.hisparse.check_ownership()
 
 
+def offloading_harness(model: str, engine_id: str, report_delay: int) -> SchedulerHarness:
+    """HiSparse with the OffloadingConnector (a 32 MiB CPU tier) in a 20 MiB device pool."""
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
+        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
+    )  # fmt: skip
+    return SchedulerHarness.create(
+        model=model, memory_bytes=20 << 20, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=1024, kv_transfer_config=transfer, report_delay=report_delay,
+    )  # fmt: skip
+
+
 def test_a_restore_planned_before_a_connectors_load_stays_the_requests_own(model):
     """An OffloadingConnector hit with room on the device: its sparse-MLA pages are restored
     into the hit's blocks, planned with the request's first allocation, while the connector
     loads the indexer's pages asynchronously. Allocated again for its first compute, the
     request keeps those restores: the pages register as BOTH (durable on the host), and
     nothing copies them to the host again."""
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="restore-test",
-        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
-    )  # fmt: skip
-    h = SchedulerHarness.create(
-        model=model, memory_bytes=20 << 20, attention_config=HISPARSE, max_model_len=1024,
-        max_num_batched_tokens=1024, kv_transfer_config=transfer, report_delay=2,
-    )  # fmt: skip
+    h = offloading_harness(model, "restore-test", report_delay=2)
     first_turn = prompt(1, 400)
     h.add_request(first_turn, max_tokens=2, request_id="A1")
     h.run_until_done()
@@ -369,14 +374,7 @@ def test_a_connector_hit_whose_tail_left_the_host_pool_keeps_the_pages_the_pool_
     were never copied before the turn ended, and the device has evicted them). The hit is
     cut to the pages the host pool holds, at a connector chunk boundary; the turn does
     not recompute its whole history."""
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id="partial-host-hit",
-        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
-    )  # fmt: skip
-    h = SchedulerHarness.create(
-        model=model, memory_bytes=20 << 20, attention_config=HISPARSE, max_model_len=1024,
-        max_num_batched_tokens=1024, kv_transfer_config=transfer, report_delay=1,
-    )  # fmt: skip
+    h = offloading_harness(model, "partial-host-hit", report_delay=1)
     h.hisparse.residency.max_copies_per_step = 1  # copies lag the prefill
     first_turn = prompt(3, 400)
     h.add_request(first_turn, max_tokens=2, request_id="B1")
