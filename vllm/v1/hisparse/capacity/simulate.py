@@ -821,7 +821,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 axes.annotate(str(concurrency), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     axes.set_xlabel("per-user tokens/s (simulated)")
     axes.set_ylabel("output tokens/s (simulated)")
-    axes.set_title(f"{result['model']}: interactivity vs throughput (labels: sessions)", fontsize=9)
+    model = str(result["model"]).split(" ")[0]
+    axes.set_title(f"{model}: interactivity vs throughput, simulated (labels: sessions)", fontsize=9)
     axes.legend(fontsize=8)
     axes.grid(True, alpha=0.3)
     figure.tight_layout()
