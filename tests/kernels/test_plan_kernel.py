@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_build import compile_for_sm90a, hisparse_ops
-from kernel_checks import loads
+from kernel_checks import loads, most_tokens
 from resolver_cases import BLOCK, build
 
 from vllm.v1.hisparse.resolver import HotState, plan_resolution
@@ -40,10 +40,9 @@ def test_the_fused_kernel_on_a_gpu_decides_what_the_reference_decides(kernel_ops
         ref = plan_resolution(s.positions, s.token_requests, s.host_page_table, BLOCK, hot_ref,
                               s.staging_slots, s.step, s.table_rows)
         hot = HotState(s.hot.positions.cuda(), s.hot.stamps.cuda())
-        valid = s.token_requests[s.token_requests >= 0]
         fused = plan_resolution(s.positions.cuda(), s.token_requests.cuda(), s.host_page_table.cuda(), BLOCK,
                                 hot, s.staging_slots.cuda(), s.step, s.table_rows.cuda(),
-                                max_tokens_per_request=int(torch.bincount(valid).max()))
+                                max_tokens_per_request=most_tokens(s))
         assert fused.error.is_cuda
         for field in ("on_host", "entry_request", "entry_slot", "counts", "error"):
             assert torch.equal(getattr(fused, field).cpu(), getattr(ref, field)), (seed, field)

@@ -124,8 +124,11 @@ def _on(case: ResolutionCase, device: str) -> ResolutionCase:
 
 
 def most_tokens(case: ResolutionCase) -> int:
-    """The most tokens any request has in the step (the host knows it from the scheduler)."""
-    return int(torch.bincount(case.token_requests.cpu()[case.token_requests.cpu() >= 0]).max())
+    """The most tokens any request has in the step (the host knows it from the scheduler);
+    1 when no request has any, as the worker bounds it (`resolution.py`)."""
+    requests = case.token_requests.cpu()
+    valid = requests[requests >= 0]
+    return int(torch.bincount(valid).max()) if valid.numel() else 1
 
 
 def _resolve(case: ResolutionCase, fused: bool = False):

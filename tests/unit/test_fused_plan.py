@@ -89,3 +89,23 @@ def test_production_sized_steps_fit_the_fused_plan_and_prefill_chunks_do_not():
     assert fused_plan_shape(1, 2048, 8193) is None
     assert fused_plan_shape(8192, 2048, 4096) is None, "an 8K-token prefill chunk"
 
+
+
+@pytest.mark.parametrize("seed", [38, 55])
+def test_the_gpu_checks_token_bound_holds_for_cases_whose_host_page_requests_have_no_tokens(seed):
+    """The GPU checks give the fused plan the most tokens any request has in the step, as
+    the worker does (at least 1). The case builder makes steps in which the requests with
+    host pages have no tokens (seeds 38 and 55 of tests/kernels/test_plan_kernel.py); the
+    bound must come out as the worker's default, not raise on an empty count."""
+    from types import SimpleNamespace
+
+    from kernel_checks import most_tokens
+
+    s = build(seed, num_reqs=1 + seed % 4, pages=1 + seed % 6, hot_slots=1 + seed % 12,
+              tokens=1 + seed % 6, topk=1 + seed % 7, resident_p=(0.0, 0.5, 0.9)[seed % 3],
+              hot_fill=seed % 12, staging=seed % 8)  # fmt: skip
+    valid = s.token_requests[s.token_requests >= 0]
+    expected = int(torch.bincount(valid).max()) if valid.numel() else 1
+    assert most_tokens(SimpleNamespace(token_requests=s.token_requests)) == expected
+    assert most_tokens(SimpleNamespace(token_requests=torch.tensor([-1, -1]))) == 1
+    assert most_tokens(SimpleNamespace(token_requests=torch.tensor([0, 2, 2, -1]))) == 2
