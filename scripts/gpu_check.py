@@ -13,8 +13,9 @@ Needs torch with CUDA and nvcc (no vLLM, no network). It:
 4. measures, with CUDA events: resolver time per step and per layer at batch 64 with
    0%, 10% and 50% misses, the host->device GB/s of the miss path and of page copies,
    and one batched post-forward copy against one launch per layer;
-5. writes the figures and verdicts to --out (default docs/kernels.md), and the measured
-   bandwidths beside it as `simulator-constants.json` for the capacity simulator.
+5. writes the figures and verdicts to --out ($OUT/kernels.md when OUT names a folder,
+   else docs/kernels.md) and to stdout, and the measured bandwidths beside the report
+   as `simulator-constants.json` for the capacity simulator.
 
 Exit status: 0 when every check is bit-exact (and pytest passed), 1 otherwise, 2 when
 this machine has no CUDA device or cannot build the extension.
@@ -137,6 +138,25 @@ def timings() -> dict:
     return {"resolver": resolver, "pages": pages, "failures": failures}
 
 
+def default_out() -> Path:
+    """Where the report goes: a runner's output folder ($OUT) when there is one."""
+    folder = os.environ.get("OUT")
+    if folder and Path(folder).is_dir():
+        return Path(folder) / "kernels.md"
+    return REPO / "docs" / "kernels.md"
+
+
+def torch_note(version: str) -> str:
+    """What the torch on this machine means for the figures: the wheel pins upstream's."""
+    import tomllib
+
+    pinned = tomllib.loads((REPO / "upstream.toml").read_text())["upstream"]["cpu_torch"]
+    if version.split("+")[0] == pinned:
+        return f"torch {version}, the version the wheel pins"
+    return (f"torch {version}, not the {pinned} the wheel pins: the extension was built here against "
+            "this torch, so the checks cover the kernels' code, not the shipped binary")
+
+
 def simulator_constants(figures: dict) -> dict[str, float]:
     """The measured bandwidths as the capacity simulator's constants (`python -m
     vllm.v1.hisparse.capacity simulate --constants FILE`): whole-page copies each way, and
@@ -153,14 +173,14 @@ def simulator_constants(figures: dict) -> dict[str, float]:
 
 
 def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[str, dict]], figures: dict,
-                 command: str) -> None:
+                 command: str) -> str:
     lines = [
         "# HiSparse kernels on a GPU",
         "",
         f"Written by `{command}` on {machine['date']}.",
         "",
         f"- GPU: {machine['gpu']} (compute capability {machine['capability']}), CUDA {machine['cuda']}",
-        f"- torch {machine['torch']}, Python {machine['python']}",
+        f"- {torch_note(machine['torch'])}; Python {machine['python']}",
         f"- extension built from csrc/ in {machine['build_s']:.0f} s",
         f"- tests/kernels: {pytest_result}",
         "",
@@ -202,12 +222,17 @@ def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[
                      f"| {r['batched_gbps']:.1f} |")
     for failure in figures["failures"]:
         lines.append(f"\nNot measured: {failure}")
-    out.write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "kernels.md")
+    parser.add_argument("--out", type=Path, default=default_out(),
+                        help="the report (default: $OUT/kernels.md when OUT names a folder, as a "
+                             "remote runner's output folder does; else docs/kernels.md)")
     parser.add_argument("--quick", action="store_true", help="skip the 8K-token prefill resolution")
     parser.add_argument("--build-only", action="store_true",
                         help="build and load the extension, then stop (needs no GPU)")
@@ -239,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = verdicts(args.quick)
     figures = timings()
     command = "python3 scripts/gpu_check.py" + (" --quick" if args.quick else "")
-    write_report(args.out, machine, pytest_result, rows, figures, command)
+    # The formatted report on stdout too: a runner may hand back only its output.
+    print(write_report(args.out, machine, pytest_result, rows, figures, command))
     constants = args.out.with_name("simulator-constants.json")
     constants.write_text(json.dumps(simulator_constants(figures), indent=2) + "\n")
     print(f"gpu_check: wrote {args.out} and {constants} (capacity simulate --constants)")

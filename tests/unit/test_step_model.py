@@ -99,3 +99,19 @@ def test_gpu_checks_bandwidths_become_the_simulators_constants(tmp_path):
     path.write_text(json.dumps(constants))
     assert load_constants(path)["row_h2d_bytes_per_s"] == 17.25e9
     assert gpu_check.simulator_constants({"pages": {}, "resolver": {}}) == {}
+
+
+def test_gpu_check_reports_into_a_runners_output_folder_and_names_its_torch(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_out", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_check.default_out() == tmp_path / "kernels.md"
+    monkeypatch.delenv("OUT")
+    assert gpu_check.default_out() == script.parents[1] / "docs" / "kernels.md"
+    assert "the version the wheel pins" in gpu_check.torch_note("2.13.0+cu130")
+    assert "not the 2.13.0 the wheel pins" in gpu_check.torch_note("2.11.0+cu130")
