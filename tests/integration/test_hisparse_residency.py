@@ -512,3 +512,55 @@ def test_a_device_prefix_hit_whose_pages_the_host_pool_holds_is_not_copied_again
     assert all(c.page_index >= len(first) // BLOCK for c in copies), "a page the pool holds was copied again"
     assert h.hisparse.stats()["pages_copied_to_host"] - copied == len(copies) == (len(second) // BLOCK) - 10
     assert h.hisparse.stats()["copies_avoided"] == len(first) // BLOCK
+
+
+def test_a_chunk_restores_its_host_pages_when_the_pool_has_room_for_them(model):
+    # A long prompt's early pages move to the host under pressure (relief, as an allocation
+    # short of blocks calls it). Its next chunk (64 tokens x top-K 32 may select every host
+    # row) finds the pool with room for them, so it restores them instead of staging: new
+    # blocks in its table, filled from their host copies before the forward, each page BOTH
+    # (durable at once); the request is FULL again and its hot lease goes back.
+    h = harness(model, 64, max_model_len=2048, max_num_batched_tokens=64)
+    rid = h.add_request(prompt(2, 1200), max_tokens=4).request_id
+    for _ in range(8):
+        h.step()
+        check_block_accounting(h)
+    h.hisparse._relieve(4 * MLA_GROUPS)
+    req = h.hisparse.residency.requests[rid]
+    host = {i: page.host_page for i, page in enumerate(req.pages) if page.block_ids is None}
+    assert host and req.hot_blocks, "its early pages are on the host only, with a hot lease"
+    o = h.step()
+    check_block_accounting(h)
+    assert o.num_scheduled_tokens[rid] == 64 and o.hisparse_states[rid] == "full"
+    assert not o.hisparse_plan.staging, "restored instead of staged"
+    restores = {r.page_index: r for r in o.hisparse_plan.restores}
+    assert {i: r.host_page for i, r in restores.items()} == host
+    tables = h.block_ids(rid)
+    for i, restore in restores.items():
+        assert restore.block_ids == tuple(tables[g][i] for g in range(MLA_GROUPS)), "the table holds them"
+        assert req.pages[i].state.name == "BOTH" and req.pages[i].block_ids == restore.block_ids
+    updates = [u for u in o.hisparse_plan.host_pages if u.request_id == rid]
+    assert updates[-len(host):] == [
+        dataclasses.replace(u, host_page=-1) for u in updates[-len(host):]
+    ], "the workers' map drops them, after the demotion that put them there"
+    points = {(u.group_id, u.position): u.block_id for u in o.hisparse_plan.block_table_updates}
+    assert all(points[(g, i)] == tables[g][i] for i in host for g in range(MLA_GROUPS))
+    assert not req.hot_blocks and o.hisparse_stats["hot_lease_blocks"] == 0, "its lease went back"
+    assert o.hisparse_stats["prefill_restores"] == 1
+    assert o.hisparse_stats["pages_restored_for_prefill"] == len(host)
+    obs = run_checked(h)
+    assert all(not x.hisparse_plan.staging and not x.hisparse_plan.restores for x in obs)
+    assert h.requests[rid].num_output_tokens == 4
+    assert h.hisparse.residency.host_pool.num_referenced == 0
+
+
+def test_a_chunk_stages_when_the_pool_has_no_room_for_its_host_pages(model):
+    # The same chunk in a pool without the blocks for its host pages beyond the step's
+    # reserve: it stages, as before, and nothing is restored.
+    h = harness(model, 8, max_model_len=2048, max_num_batched_tokens=64)
+    rid = h.add_request(prompt(2, 1200), max_tokens=4).request_id
+    obs = run_checked(h)
+    assert any(o.hisparse_states.get(rid) == "mixed" for o in obs)
+    assert obs[-1].hisparse_stats["prefill_restores"] == 0
+    assert any(o.hisparse_plan.staging for o in obs)
+    assert not any(o.hisparse_plan.restores for o in obs)

@@ -204,6 +204,19 @@ class KVCacheBlockAccess:
             self.evict_first([(b.block_id, b.block_hash) for b in dropped])
         return freed
 
+    def fill_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Point the request's HOST pages (null entries) at these taken blocks, (page index,
+        block per sparse-MLA group) each: the table's reference becomes the blocks' own."""
+        for column, (manager, group_id) in enumerate(zip(self._mla, self.mla_group_ids, strict=True)):
+            table = manager.req_to_blocks[request_id]
+            for page_index, block_ids in pages:
+                assert table[page_index].is_null, f"{request_id} page {page_index} is not a HOST page"
+                block_id = block_ids[column]
+                table[page_index] = self._pool.blocks[block_id]
+                self.updates.append(
+                    BlockTableUpdate(request_id, group_id, PageIndex(page_index), BlockId(block_id))
+                )
+
     # -- what the ownership check reads ----------------------------------------------
 
     def table_entries(self) -> Iterator[tuple[str, int, int, KVCacheBlock]]:

@@ -110,6 +110,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "host rows than its hot buffer and staging hold attends in passes.",
         "extra_attention_passes",
     ),
+    "vllm:hisparse_partitioned_plans": (
+        "Resolution plans split into passes by reading run boundaries back from the device: "
+        "a chunk that may select more host rows than its hot buffer and staging hold.",
+        "partitioned_plans",
+    ),
     "vllm:hisparse_attention_calls": (
         "Attention kernel calls of HiSparse-managed layers (one per layer per step).",
         "attention_calls",
@@ -132,6 +137,15 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Rows of a chunk's staging budget the pool could not spare; the chunk kept its length "
         "and attended in more passes.",
         "staging_rows_short",
+    ),
+    "vllm:hisparse_prefill_restores": (
+        "Prefill chunks that restored their request's host-only pages to the device instead "
+        "of staging the rows they select (the pool had the blocks free).",
+        "prefill_restores",
+    ),
+    "vllm:hisparse_pages_restored_for_prefill": (
+        "Host-only pages restored to the device for a prefill chunk.",
+        "pages_restored_for_prefill",
     ),
     "vllm:hisparse_hot_leases": ("Hot buffers leased to requests.", "hot_leases"),
     "vllm:hisparse_preemptions_avoided": (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 5
+HISPARSE_PLAN_VERSION = 6
 
 # The ids that cross between scheduler and workers, typed so that a block id, a host
 # page and a page index cannot be passed one for another.
@@ -25,6 +25,8 @@ BlockId = NewType("BlockId", int)  # a block of the device KV cache pool
 HostPage = NewType("HostPage", int)  # a page of the host pool
 PageIndex = NewType("PageIndex", int)  # a page's position in its request's block table
 CopyId = NewType("CopyId", int)  # one device->host copy, unique for the scheduler's life
+# A `HostPageUpdate`'s host page when the page is resident again (restored for a prefill chunk).
+NOT_ON_HOST = HostPage(-1)
 
 # What the workers count on the data path, reported per step in
 # ModelRunnerOutput.hisparse_counters. On the device: distinct rows loaded from the
@@ -44,6 +46,7 @@ HOST_COUNTERS = (
     "resolution_plans",
     "resolver_calls",
     "extra_attention_passes",
+    "partitioned_plans",
     "attention_calls",
     "forward_steps",
     "resolving_steps",
@@ -84,7 +87,8 @@ class BlockTableUpdate:
 
 @dataclass(frozen=True)
 class PageRestore:
-    """One page, all sparse-MLA layers, host -> device before the forward (a KV connector hit)."""
+    """One page, all sparse-MLA layers, host -> device before the forward (a KV connector hit,
+    or a HOST page a prefill chunk restores instead of staging its rows)."""
 
     request_id: str
     page_index: PageIndex
@@ -94,10 +98,11 @@ class PageRestore:
 
 @dataclass(frozen=True)
 class HostPageUpdate:
-    """A page of a request that is now only in the host pool (demoted, or a host prefix hit).
+    """A page of a request that is now only in the host pool (demoted, or a host prefix hit),
+    or, with `NOT_ON_HOST`, a HOST page resident again (a prefill chunk restored it).
 
-    HOST pages never turn resident again, so the worker's map of them only grows
-    until the request ends (finishes, is aborted or preempted).
+    The worker's map holds a request's HOST pages until the request ends (finishes,
+    is aborted or preempted); a plan's updates apply in order.
     """
 
     request_id: str

@@ -58,7 +58,7 @@ from typing import Protocol
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS, RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-from vllm.v1.hisparse.plan import CopyId, HostPage, PageCopy
+from vllm.v1.hisparse.plan import NOT_ON_HOST, CopyId, HostPage, PageCopy
 
 
 class PageState(enum.Enum):
@@ -138,7 +138,7 @@ class RequestResidency:
     hot_blocks: list[int] = field(default_factory=list)
     # Page-level block hashes; may be a live view that grows with the request.
     block_hashes: Sequence[Hashable] = ()
-    # HOST pages never turn resident again, so a count keeps FULL an O(1) check.
+    # Kept as pages change state, so FULL is an O(1) check.
     num_host_pages: int = 0
     num_both_pages: int = 0
     # HOST pages among the demotable ones (NONE when that is all of them).
@@ -198,6 +198,8 @@ class ResidencyCounters:
     # preemptions allowed once deferrals reached MAX_PREEMPTION_DEFERRALS.
     victims_skipped: int = 0
     deferrals_exhausted: int = 0
+    # HOST pages a prefill chunk restored to the device instead of staging their rows.
+    pages_restored_for_prefill: int = 0
 
 
 class ResidencyManager:
@@ -358,6 +360,44 @@ class ResidencyManager:
         self._page_counts[PageState.BOTH] += 1
         if len(req.pages) - 1 < req.num_demotable_pages:
             self._add_settled(req, len(req.pages) - 1)
+
+    def host_page_indices(self, request_id: str) -> list[int]:
+        """Indices of the request's HOST pages, ascending."""
+        req = self.requests[request_id]
+        if not req.num_host_pages:
+            return []
+        return [i for i, page in enumerate(req.pages) if page.block_ids is None]
+
+    def restore_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """HOST -> BOTH for these pages (index, device blocks each), filled from their host
+        copies before the step's forward (the caller plans those copies and the block-table
+        points); a prefill chunk restores instead of staging (`HiSparseScheduling.fit_chunk`).
+
+        Each page keeps its host page, so it is durable at once and relief may drop it again
+        without a copy. A request left with no HOST page is FULL: its hot lease goes back.
+        """
+        req = self.requests[request_id]
+        demotable = req.num_demotable_pages
+        for index, block_ids in pages:
+            if len(block_ids) != self.blocks_per_page:
+                raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
+            page = req.pages[index]
+            assert page.state is PageState.HOST, f"{request_id} page {index} is {page.state.name}, not HOST"
+            page.block_ids = tuple(block_ids)
+            self._new_host_pages.append((request_id, index, NOT_ON_HOST))
+            if index < demotable:
+                req.num_host_demotable -= 1
+                self._add_settled(req, index)
+        req.num_host_pages -= len(pages)
+        req.num_both_pages += len(pages)
+        self._page_counts[PageState.HOST] -= len(pages)
+        self._page_counts[PageState.BOTH] += len(pages)
+        self.counters.pages_restored_for_prefill += len(pages)
+        if not req.num_host_pages and req.hot_blocks:
+            self.allocator.give_back(req.hot_blocks)
+            req.hot_blocks = []
+            # A lease taken in this same step never reaches the workers.
+            self._new_leases = [c for c in self._new_leases if c[0] != request_id]
 
     def advance(self, request_id: str, num_stable_tokens: int) -> None:
         """Tokens computed and committed: pages wholly below this may be copied and demoted."""

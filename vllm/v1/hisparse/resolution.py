@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HOST_COUNTERS, HostPageUpdate, HotLeaseUpdate, StepStaging
+from vllm.v1.hisparse.plan import (
+    DEVICE_COUNTERS,
+    HOST_COUNTERS,
+    NOT_ON_HOST,
+    HostPageUpdate,
+    HotLeaseUpdate,
+    StepStaging,
+)
 from vllm.v1.hisparse.resolver import (
     HotState,
     ResolutionPlan,
@@ -119,6 +126,8 @@ class HiSparseResolution:
                               for g in self.mla_group_ids}
         self._hot: dict[int, HotState] = {}  # top-K owner -> hot state, one row per table row
         self._with_host_pages: set[str] = set()
+        # Request -> the page indices of its HOST pages (the host's copy of its table row).
+        self._host_pages_of: dict[str, set[int]] = {}
         self._grow(capacity)
         self._stamp = 0
         self._num_scheduled_tokens: dict[str, int] = {}
@@ -141,6 +150,7 @@ class HiSparseResolution:
         if row is None:
             return
         self._with_host_pages.discard(request_id)
+        self._host_pages_of.pop(request_id, None)
         self.host_page_table[row] = -1
         for hot in self._hot.values():
             hot.positions[row] = -1
@@ -161,12 +171,24 @@ class HiSparseResolution:
             for hot in self._hot.values():  # a new lease starts empty
                 hot.positions[row] = -1
                 hot.stamps[row] = -1
-        rows, pages, values = [], [], []
+        # In order, the last update of a page standing (a page may be restored and demoted
+        # again within one plan).
+        latest: dict[tuple[int, int], int] = {}
         for update in host_pages:
-            rows.append(self._row_of(update.request_id))
-            pages.append(update.page_index)
-            values.append(update.host_page)
-            self._with_host_pages.add(update.request_id)
+            row = self._row_of(update.request_id)
+            latest[(row, update.page_index)] = update.host_page
+            held = self._host_pages_of.setdefault(update.request_id, set())
+            if update.host_page == NOT_ON_HOST:
+                held.discard(update.page_index)
+            else:
+                held.add(update.page_index)
+            if held:
+                self._with_host_pages.add(update.request_id)
+            else:
+                self._with_host_pages.discard(update.request_id)
+        rows = [row for row, _ in latest]
+        pages = [page for _, page in latest]
+        values = list(latest.values())
         if rows:
             index = (torch.tensor(rows), torch.tensor(pages))
             self.host_page_table.index_put_(
@@ -337,20 +359,24 @@ class HiSparseResolution:
     def _plan(
         self, step: _Step, owner: int, positions: torch.Tensor, token_requests: torch.Tensor
     ) -> list[tuple[torch.Tensor, ResolutionPlan]]:
-        """Plan one top-K selection's step: one pass, or passes when some request's tokens x
-        top-K exceed its hot and staging rows (known on the host, so a step that fits
-        reads nothing back). Returns (tokens, plan) per pass; tokens index the planned ones."""
+        """Plan one top-K selection's step: one pass, or passes when what some request may
+        select, its tokens x top-K or its HOST rows if fewer, exceeds its hot and staging
+        rows. That bound is known on the host, so a step within it reads nothing back; a
+        step beyond it reads its run boundaries back (`partitioned_plans`). Returns
+        (tokens, plan) per pass; tokens index the planned ones."""
         hot = self._hot.get(owner)
         if hot is None:
             hot = self._hot[owner] = HotState.empty(len(self.host_page_table), self.hot_rows, self.device)
         active = HotState(hot.positions[step.requests], hot.stamps[step.requests])
         topk = positions.shape[1]
         may_overflow = any(
-            self._num_scheduled_tokens.get(rid, 0) * topk > self.hot_rows + slots
+            min(self._num_scheduled_tokens.get(rid, 0) * topk, self.num_host_rows(rid))
+            > self.hot_rows + slots
             for rid, slots in zip(step.request_ids, step.staging_counts, strict=True)
         )
         token_pass = None
         if may_overflow:
+            self.counts["partitioned_plans"] += 1
             token_pass = partition_passes(
                 positions, token_requests, self.host_page_table, step.requests, self.block_size,
                 self.hot_rows + step.staging_slots,
@@ -377,6 +403,10 @@ class HiSparseResolution:
             )
         self.counts["resolution_plans"] += len(passes)
         return passes
+
+    def num_host_rows(self, request_id: str) -> int:
+        """Rows of the request's HOST pages: the most distinct rows its step can stage."""
+        return len(self._host_pages_of.get(request_id, ())) * self.block_size
 
     def num_passes(self, layer_name: str) -> int:
         """How many passes this step's attention of `layer_name` takes (1 before it resolved)."""

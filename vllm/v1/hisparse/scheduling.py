@@ -46,9 +46,12 @@ from vllm.v1.hisparse.ownership import check_ownership
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
     WORKER_COUNTERS,
+    BlockId,
     HiSparseStepPlan,
+    HostPage,
     HostPageUpdate,
     HotLeaseUpdate,
+    PageIndex,
     PageRestore,
     StepStaging,
 )
@@ -145,6 +148,8 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         self._steps = itertools.count()
         self.staging_rows_leased = 0
+        # Prefill chunks that restored their request's HOST pages instead of staging.
+        self.prefill_restores = 0
         # Sparse-MLA blocks of released requests' BOTH pages, for `after_free`; and how many
         # were moved to the front of the eviction order.
         self._host_backed: list[tuple[int, object]] = []
@@ -269,6 +274,8 @@ class HiSparseScheduling:
         if short > 0:
             self._relieve(short)
         host_rows = self._host_pages(request.request_id) * self.block_size
+        if self._restore_instead(request, num_new_tokens, host_rows, own_blocks):
+            return num_new_tokens
         wanted = self._staging_blocks(num_new_tokens, host_rows)
         if not wanted or request.request_id in self._unplaced:
             # After a chunk whose staging left no room for its own blocks: none this time.
@@ -291,6 +298,42 @@ class HiSparseScheduling:
             self._staging[request.request_id] = self.blocks.take(blocks)
             self.staging_rows_leased += blocks // page * self.block_size
         return num_new_tokens
+
+    def _restore_instead(
+        self, request: Request, num_new_tokens: int, host_rows: int, own_blocks: int
+    ) -> bool:
+        """Restore the request's HOST pages for its chunk instead of staging; True if it did.
+
+        It does when the chunk may select every HOST row (tokens x top-K at least the
+        rows), so staging what it may select would take as many blocks as the pages
+        themselves, and the pool has those blocks free beyond the chunk's own and the
+        step's reserve. A restored page is BOTH: its blocks serve the request's later
+        chunks and decodes in place, and relief can drop it again without a copy. Mode
+        "always" never restores (it keeps only the tail on the device).
+        """
+        request_id = request.request_id
+        req = self.residency.requests.get(request_id)
+        if (
+            req is None or req.held or not req.num_host_pages or self.residency.mode != "hybrid"
+            or self.admissions.num_host_pages(request_id)
+            or num_new_tokens * self.index_topk < host_rows
+        ):
+            return False
+        page = len(self.mla_group_ids)
+        indices = self.residency.host_page_indices(request_id)
+        if self.blocks.num_free_blocks() - own_blocks - self._step_reserve < len(indices) * page:
+            return False
+        blocks = self.blocks.take(len(indices) * page)
+        pages = [(index, blocks[i * page:(i + 1) * page]) for i, index in enumerate(indices)]
+        host_pages = [req.pages[index].host_page for index in indices]
+        self.blocks.fill_pages(request_id, pages)
+        self.residency.restore_pages(request_id, pages)
+        self._restores.extend(
+            PageRestore(request_id, PageIndex(i), tuple(BlockId(b) for b in block_ids), HostPage(host_page))
+            for (i, block_ids), host_page in zip(pages, host_pages, strict=True)
+        )
+        self.prefill_restores += 1
+        return True
 
     def _staging_blocks(self, num_tokens: int, host_rows: int, budget: int | None = -1) -> int:
         """Blocks (all sparse-MLA groups) to stage what `num_tokens` may select beyond the hot
@@ -631,6 +674,10 @@ class HiSparseScheduling:
             # budget the pool could not spare (those chunks took more passes instead).
             staging_rows_leased=self.staging_rows_leased,
             staging_rows_short=self.staging_rows_short,
+            # Prefill chunks that restored their request's HOST pages instead of staging
+            # rows, and the pages they restored.
+            prefill_restores=self.prefill_restores,
+            pages_restored_for_prefill=counters.pages_restored_for_prefill,
             # Rows the workers' resolvers loaded host -> device (hot-buffer misses), and
             # selected non-resident rows already in a hot buffer (hits).
             **self.worker_counts,
@@ -641,7 +688,8 @@ class HiSparseScheduling:
             bytes_to_host=counters.pages_copied_to_host * self._page_bytes
             * max(self.worker_counts["max_host_pools"], 1),
             bytes_from_host=self._readers * (
-                self.admissions.counters.pages_restored * self._page_bytes
+                (self.admissions.counters.pages_restored + counters.pages_restored_for_prefill)
+                * self._page_bytes
                 + self.worker_counts["rows_loaded"] * self._row_bytes
             ),
         )
