@@ -141,7 +141,8 @@ def report(metrics_text: str, observed: Observed, elapsed: float) -> list[str]:
         f"  pages         copied to host {total('vllm:hisparse_pages_copied_to_host_total'):.0f}, "
         f"demoted {total('vllm:hisparse_pages_demoted_total'):.0f}, "
         f"reused from host {total('vllm:hisparse_host_prefix_pages_reused_total'):.0f}, "
-        f"restored {total('vllm:hisparse_pages_restored_total'):.0f}",
+        f"restored {total('vllm:hisparse_pages_restored_total'):.0f} (connector hits) and "
+        f"{total('vllm:hisparse_pages_restored_for_prefill_total'):.0f} (prefill chunks)",
         f"  resolver      rows loaded {loaded:.0f}, hot hits {hit:.0f} (hot hit rate {hit_rate})",
         f"  preemptions   {total('vllm:num_preemptions_total'):.0f} "
         f"(demotion served {total('vllm:hisparse_preemptions_avoided_total'):.0f} allocations instead)",
