@@ -320,9 +320,9 @@ class HiSparseScheduling:
         ):
             return False
         page = len(self.mla_group_ids)
-        indices = self.residency.host_page_indices(request_id)
-        if self.blocks.num_free_blocks() - own_blocks - self._step_reserve < len(indices) * page:
+        if self.blocks.num_free_blocks() - own_blocks - self._step_reserve < req.num_host_pages * page:
             return False
+        indices = self.residency.host_page_indices(request_id)
         blocks = self.blocks.take(len(indices) * page)
         pages = [(index, blocks[i * page:(i + 1) * page]) for i, index in enumerate(indices)]
         host_pages = [req.pages[index].host_page for index in indices]
