@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
 
 from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION
+from vllm.v1.hisparse.residency import PageState
 
 BLOCK = 64
 NULL_BLOCK_ID = 0
@@ -564,3 +565,23 @@ def test_a_chunk_stages_when_the_pool_has_no_room_for_its_host_pages(model):
     assert obs[-1].hisparse_stats["prefill_restores"] == 0
     assert any(o.hisparse_plan.staging for o in obs)
     assert not any(o.hisparse_plan.restores for o in obs)
+
+
+def test_copies_reported_with_a_step_that_has_no_plan_are_durable(model):
+    # A worker reports copies with the first step's output that follows their work, which
+    # need not carry a plan: the scheduler takes them from any output.
+    from types import SimpleNamespace
+
+    h = harness(model, 64, report_delay=1000)
+    rid = h.add_request(prompt(1, 300), max_tokens=50).request_id
+    while h.requests[rid].num_output_tokens < 4:
+        h.step()
+        check_block_accounting(h)
+    in_flight = [c.copy_id for c in h.hisparse.residency.copies_in_flight()]
+    assert in_flight, "copies planned, none reported yet"
+    no_plan = SimpleNamespace(hisparse_plan=None)
+    h.hisparse.on_model_output(no_plan, SimpleNamespace(hisparse_copied=in_flight))
+    assert not h.hisparse.residency.copies_in_flight()
+    assert h.hisparse.residency.counters.pages_copied_to_host == len(in_flight)
+    req = h.hisparse.residency.requests[rid]
+    assert req.count(PageState.BOTH) == len(in_flight), "the pages are durable on the host"

@@ -82,3 +82,30 @@ def test_a_bit_a_request_raised_fails_it_and_a_bit_nobody_claims_stops_the_engin
         failed_requests(ERROR_STAGING_OVERFLOW | ERROR_REQUEST_OUT_OF_BOUNDS, {"b": ERROR_STAGING_OVERFLOW})
     with pytest.raises(ResolverError, match="more distinct host rows"):
         failed_requests(ERROR_STAGING_OVERFLOW, {})
+
+
+def test_a_step_without_a_plan_still_collects_the_reports_that_are_done():
+    # A report still running on the device when its step ended comes back with the next
+    # step's output, whether or not that step carries a plan.
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.worker import HiSparseWorker
+
+    layer = "model.layers.0.self_attn.attn"
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})
+    worker = HiSparseWorker(
+        runner, {layer: torch.zeros(4, 64, 8)}, group_of_layer={layer: 0}, hot_rows=64, num_host_pages=2
+    )
+    event = FakeEvent()
+    worker.reports._pending.append(report([41, 42], rows_loaded=5, max_calls=1, event=event))
+    step = SimpleNamespace(hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None,
+                           num_scheduled_tokens={})
+    worker.begin_step(step)
+    held = worker.finish_step(SimpleNamespace())
+    assert held.hisparse_copied == [], "still running: nothing reported yet"
+    event.done = True
+    worker.begin_step(step)
+    out = worker.finish_step(SimpleNamespace())
+    assert out.hisparse_copied == [41, 42] and out.hisparse_counters["rows_loaded"] == 5
+    worker.begin_step(step)
+    assert not hasattr(worker.finish_step(SimpleNamespace()), "hisparse_copied"), "nothing left to say"

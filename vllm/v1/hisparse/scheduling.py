@@ -513,18 +513,18 @@ class HiSparseScheduling:
         for request_id, reason in (getattr(output, "hisparse_failed", None) or {}).items():
             self._fail(request_id, reason)
         reported = getattr(output, "hisparse_copied", None)
-        if plan is not None and (reported is not None or plan.copies):
-            if reported is None:
-                self.residency.cancel_all_copies()
-                if self.issue_plans:
-                    self.issue_plans = False
-                    logger.warning(
-                        "Hybrid HiSparse: the workers did not execute the step's residency plan; "
-                        "no further pages are copied or demoted and the sparse-MLA KV cache stays "
-                        "resident on the device."
-                    )
-            else:
-                self.residency.complete_copies(reported)
+        if reported is not None:
+            # Any step's output may carry reports, one without a plan too.
+            self.residency.complete_copies(reported)
+        elif plan is not None and plan.copies:
+            self.residency.cancel_all_copies()
+            if self.issue_plans:
+                self.issue_plans = False
+                logger.warning(
+                    "Hybrid HiSparse: the workers did not execute the step's residency plan; "
+                    "no further pages are copied or demoted and the sparse-MLA KV cache stays "
+                    "resident on the device."
+                )
         if self.check_each_step:
             self.check_ownership()
 

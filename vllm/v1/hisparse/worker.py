@@ -115,6 +115,10 @@ class StepReports:
         event.record()
         self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids))
 
+    def pending(self) -> bool:
+        """Whether a submitted step's report has not been collected yet."""
+        return bool(self._pending)
+
     def collect(self) -> tuple[list[int], dict[str, int], int, dict[str, int]]:
         """(ids of durable copies, counters, error bits, each request's own error bits) of
         every step done since the last call.
@@ -261,14 +265,17 @@ class HiSparseWorker:
         """After the forward (or instead of one): launch the planned copies, report what is done."""
         device_counts, error, host_counts, request_errors = self.resolution.end_step()
         plan, self._plan = self._plan, None
-        if plan is None:
+        if plan is not None:
+            if self.writes_pages:
+                # The node's other ranks hold the same latent rows: one copy serves them all.
+                self._copy_pages(plan, plan.copies, to_host=True, error=error)
+            host_counts["max_host_pools"] = self.num_pools
+            copies = [c.copy_id for c in plan.copies]
+            self.reports.submit(copies, device_counts, error, host_counts, request_errors)
+        elif not self.reports.pending():
             return output
-        if self.writes_pages:
-            # The node's other ranks hold the same latent rows: one copy serves them all.
-            self._copy_pages(plan, plan.copies, to_host=True, error=error)
-        host_counts["max_host_pools"] = self.num_pools
-        copies = [c.copy_id for c in plan.copies]
-        self.reports.submit(copies, device_counts, error, host_counts, request_errors)
+        # Every step collects what is done, a step without a plan too, so no report waits
+        # for the next planned step.
         copied, counters, error_bits, failed = self.reports.collect()
         if output is _empty_output():
             output = copy(output)
