@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Error bits the HiSparse kernels raise in a step's device error word. The same values are
-// ERROR_* in vllm/v1/hisparse/resolver.py (tests/unit/test_kernel_contract.py keeps them equal);
+// ERROR_* in vllm/v1/hisparse/resolver.py (tests/unit/test_resolver.py keeps them equal);
 // the worker reads the word once per step, after the step's work. A bit the plan also raised
 // in a request's own word (kErrorStagingOverflow) fails that request alone; any other bit
 // stops the engine.

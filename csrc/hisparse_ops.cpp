@@ -190,6 +190,8 @@ void check_plan(const at::Tensor& positions, const at::Tensor& token_requests, c
               "positions must be a contiguous int32 [T, K] tensor, got ", positions.sizes(), " ",
               positions.scalar_type());
   const int64_t tokens = positions.size(0), topk = positions.size(1);
+  TORCH_CHECK(topk > 0, "positions must select at least one row per token (top-K > 0), got [", tokens, ", ", topk,
+              "]");
   check_index(token_requests, "token_requests");
   TORCH_CHECK(token_requests.numel() == tokens, "token_requests must have one entry per token");
   TORCH_CHECK(host_page_table.scalar_type() == at::kLong && host_page_table.dim() == 2 &&

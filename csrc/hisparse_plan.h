@@ -197,7 +197,13 @@ HS_HD void plan_request(const PlanArgs& a, int64_t m, const PlanScratch& s) {
   const int64_t chunk = (a.num_tokens + kPlanThreads - 1) / kPlanThreads;
   HS_FOR_THREADS(t) {
     int64_t count = 0;
-    for (int64_t i = t * chunk; i < a.num_tokens && i < (t + 1) * chunk; ++i) count += a.token_requests[i] == m;
+    bool stray = false;  // a token's request outside [-1, M): no request plans it, so it reads as resident
+    for (int64_t i = t * chunk; i < a.num_tokens && i < (t + 1) * chunk; ++i) {
+      const int64_t r = a.token_requests[i];
+      count += r == m;
+      stray |= r < -1 || r >= a.num_requests;
+    }
+    if (stray && m == 0) HS_ATOMIC_OR(a.error, kErrorRequestOutOfBounds);
     s.partial[t + 1] = count;
   }
   HS_SYNC();

@@ -132,6 +132,9 @@ def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
     assert probe["meta_shape_errors"]["plan_resolution"].startswith(
         "RuntimeError: max_entries must be a power of two in [top-K, 8192], got 12"
     )
+    assert probe["meta_shape_errors"]["plan_resolution_topk_0"].startswith(
+        "RuntimeError: positions must select at least one row per token (top-K > 0)"
+    )
     for op, results in probe["opcheck"].items():
         assert results and set(results.values()) == {"SUCCESS"}, (op, results)
 

@@ -57,9 +57,9 @@ def main(root: str) -> dict:
             torch.zeros((), **long),
         )
 
-    def plan_args(device: str, max_entries: int = 16):
+    def plan_args(device: str, max_entries: int = 16, topk: int = 4):
         long = dict(dtype=torch.int64, device=device)
-        tokens, topk, requests, hot = 3, 4, 2, 8
+        tokens, requests, hot = 3, 2, 8
         return (
             torch.zeros(tokens, topk, dtype=torch.int32, device=device),
             torch.zeros(tokens, **long),
@@ -85,6 +85,7 @@ def main(root: str) -> dict:
         "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("meta", host_width=600))),
         "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("meta", block_columns=2))),
         "plan_resolution": error_of(lambda: namespace.plan_resolution(*plan_args("meta", max_entries=12))),
+        "plan_resolution_topk_0": error_of(lambda: namespace.plan_resolution(*plan_args("meta", topk=0))),
     }
     report["opcheck"] = {
         "copy_host_rows": torch.library.opcheck(namespace.copy_host_rows.default, rows_args("meta")),

@@ -81,6 +81,18 @@ def test_a_request_row_outside_the_page_table_is_flagged_and_read_as_resident(bu
     assert int(fused.error) & ERROR_REQUEST_OUT_OF_BOUNDS
 
 
+def test_a_token_request_outside_the_hot_state_is_flagged_by_both_plans(build_dir):
+    # No request row plans such a token, so both read it as resident; both flag it too.
+    s = build(7, num_reqs=2, pages=3, hot_slots=4, tokens=2, topk=3, resident_p=0.0, hot_fill=2)
+    for stray in (-2, len(s.table_rows)):
+        token_requests = s.token_requests.clone()
+        token_requests[0] = stray
+        ref, _, fused, _ = both_plans(replace(s, token_requests=token_requests), build_dir)
+        assert int(ref.error) & ERROR_REQUEST_OUT_OF_BOUNDS, stray
+        assert int(fused.error) & ERROR_REQUEST_OUT_OF_BOUNDS, stray
+        assert torch.equal(fused.on_host, ref.on_host) and not fused.on_host[0].any()
+
+
 def test_production_sized_steps_fit_the_fused_plan_and_prefill_chunks_do_not():
     assert fused_plan_shape(1, 2048, 4096) == (2048, 4096)
     assert fused_plan_shape(4, 2048, 8192) == (8192, 8192), "decode with 3 MTP drafts"

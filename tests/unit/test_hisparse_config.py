@@ -325,3 +325,24 @@ def test_a_page_is_sized_by_the_cache_dtypes_row(tiny_glm_dsa_dir, cache_dtype):
     config.cache_config.cache_dtype = cache_dtype
     layers = config.model_config.get_total_num_hidden_layers()
     assert sparse_mla_page_bytes(config) == bytes_per_token * 64 * layers
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"), [("enable_dbo", True, "--enable-dbo"), ("ubatch_size", 2, "--ubatch-size 2")]
+)
+def test_startup_refuses_micro_batching_naming_both_settings(tiny_glm_dsa_dir, field, value, named):
+    # Plans are kept per layer for the whole batch: a second micro-batch would replay them.
+    config = engine_config(tiny_glm_dsa_dir, {"host_pool_gib": 1})
+    setattr(config.parallel_config, field, value)
+    with pytest.raises(ValueError) as raised:
+        verify_hisparse_config(config)
+    message = str(raised.value)
+    assert named in message and "hisparse_config" in message and "micro-batching" in message
+
+
+def test_startup_names_an_index_topk_of_zero_plainly(tiny_glm_dsa_dir):
+    with pytest.raises(ValueError, match=r"index_topk=0: a sparse-MLA model selects at least one row"):
+        EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, hf_overrides={"index_topk": 0},
+            attention_config={"hisparse_config": {"host_pool_gib": 1}},
+        ).create_engine_config()

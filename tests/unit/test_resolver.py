@@ -167,6 +167,8 @@ def test_bad_shapes_are_refused_with_the_shapes_seen():
     s = one_request(5, hot_slots=1)
     with pytest.raises(ValueError, match=r"positions must be \[T, K\]"):
         resolve(replace(s, positions=s.positions[0]))
+    with pytest.raises(ValueError, match=r"the top-K\) > 0, got \(\d+, 0\)"):
+        resolve(replace(s, positions=s.positions[:, :0]))
     with pytest.raises(ValueError, match="hot state stamps must be 2-D int64"):
         resolve(replace(s, hot=HotState(s.hot.positions, s.hot.stamps.int())))
     with pytest.raises(ValueError, match="staging_slots and table_rows must be"):

@@ -194,12 +194,13 @@ def hisparse_active(vllm_config: VllmConfig) -> bool:
 
 
 def sparse_mla_index_topk(vllm_config: VllmConfig) -> int | None:
-    """The model's index top-K if it is a sparse-MLA (DSA) model, else None."""
+    """The model's index top-K if it is a sparse-MLA (DSA) model (one that names an index
+    top-K, whatever its value: start-up refuses one below 1), else None."""
     model_config = vllm_config.model_config
     if model_config is None or not model_config.use_mla:
         return None
     topk = getattr(model_config.hf_text_config, "index_topk", None)
-    return int(topk) if topk else None
+    return int(topk) if topk is not None else None
 
 
 def sparse_mla_page_bytes(vllm_config: VllmConfig) -> int:
@@ -248,6 +249,12 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             "HiSparse needs an index top-K (GLM-5.x, DeepSeek-V3.2). Remove hisparse_config "
             "from --attention-config for this model"
         )
+    if topk < 1:
+        raise ValueError(
+            f"hisparse_config is set but {model}'s config gives index_topk={topk}: a sparse-MLA "
+            "model selects at least one row per token. Fix index_topk in the checkpoint's "
+            "config.json (or --hf-overrides), or remove hisparse_config"
+        )
     default = default_hot_buffer_rows(vllm_config, topk)
     if hisparse.device_buffer_size is None:
         hisparse.device_buffer_size = default
@@ -273,6 +280,14 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             f"{pipeline}) in this build: each stage holds other layers' pages, and the scheduler "
             "would demote a page before every stage had copied its layers of it. Use tensor "
             "parallelism (--tensor-parallel-size) across the GPUs instead, or remove hisparse_config"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.use_ubatching:
+        raise ValueError(
+            "hisparse_config does not support micro-batching (--enable-dbo or --ubatch-size "
+            f"{parallel.ubatch_size}) in this build: each step's resolution plans are kept per "
+            "layer for the whole batch, so a second micro-batch would read the first one's rows. "
+            "Remove --enable-dbo / --ubatch-size, or remove hisparse_config"
         )
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         raise ValueError(

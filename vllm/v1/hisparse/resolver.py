@@ -611,9 +611,10 @@ def _validate(
     staging_slots: torch.Tensor,
     table_rows: torch.Tensor,
 ) -> None:
-    if positions.dim() != 2 or positions.dtype not in (torch.int32, torch.int64):
+    if positions.dim() != 2 or positions.dtype not in (torch.int32, torch.int64) or positions.shape[1] < 1:
         raise ValueError(
-            f"positions must be [T, K] int32/int64, got {tuple(positions.shape)} {positions.dtype}"
+            "positions must be [T, K] int32/int64 with K (the top-K) > 0, got "
+            f"{tuple(positions.shape)} {positions.dtype}"
         )
     if token_requests.shape != (positions.shape[0],):
         raise ValueError(f"token_requests must be [{positions.shape[0]}], got {tuple(token_requests.shape)}")

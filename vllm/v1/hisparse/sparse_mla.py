@@ -26,11 +26,13 @@ nothing without pressure. It never allocates KV cache or host memory.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from vllm.config.hisparse import SPARSE_MLA_PAGE_TOKENS
 from vllm.v1.hisparse.resolution import RESOLVING_MARKER, HiSparseResolution, active_resolution
 
 RowView = Callable[[torch.Tensor, int], tuple[torch.Tensor, int]]
@@ -131,13 +133,24 @@ def convert_req_index_to_global_index(req_id, block_table, token_indices, *args,
     converted = triton_convert_req_index_to_global_index(req_id, block_table, token_indices, *args, **kwargs)
     if _resolving is None:
         return converted
-    if kwargs.get("HAS_PREFILL_WORKSPACE"):
+    # The call's arguments by name, upstream's defaults filled in: no guessing at positions.
+    bound = inspect.signature(triton_convert_req_index_to_global_index).bind(
+        req_id, block_table, token_indices, *args, **kwargs
+    )
+    bound.apply_defaults()
+    named = bound.arguments
+    if named["HAS_PREFILL_WORKSPACE"]:
         raise NotImplementedError(
             "Hybrid HiSparse: FlashMLA's prefill workspace gathers whole contexts through the "
             "block table; HiSparse runs FlashMLA sparse on its mixed-batch path"
         )
     rows, counts = converted if isinstance(converted, tuple) else (converted, None)
-    block_size = kwargs.get("BLOCK_SIZE", args[0] if args else 64)
-    index_stride = kwargs.get("BLOCK_STRIDE_ROWS", args[1] if len(args) > 1 else None) or block_size
+    block_size = named["BLOCK_SIZE"]
+    if block_size != SPARSE_MLA_PAGE_TOKENS:
+        raise NotImplementedError(
+            f"Hybrid HiSparse pages are {SPARSE_MLA_PAGE_TOKENS} tokens; the backend converted "
+            f"indices with BLOCK_SIZE={block_size}"
+        )
+    index_stride = named["BLOCK_STRIDE_ROWS"] or block_size
     resolved = resolve_selected_rows(token_indices, req_id, rows, index_stride)
     return (resolved, counts) if counts is not None else resolved
