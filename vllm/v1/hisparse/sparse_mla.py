@@ -26,7 +26,6 @@ nothing without pressure. It never allocates KV cache or host memory.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,35 +121,41 @@ def resolve_selected_rows(
     )
 
 
-def convert_req_index_to_global_index(req_id, block_table, token_indices, *args, **kwargs):
+def convert_req_index_to_global_index(
+    req_id,
+    block_table,
+    token_indices,
+    *,
+    BLOCK_SIZE: int = SPARSE_MLA_PAGE_TOKENS,
+    BLOCK_STRIDE_ROWS: int | None = None,
+    HAS_PREFILL_WORKSPACE: bool = False,
+    **kwargs,
+):
     """Upstream's Triton index conversion, then HiSparse's resolution of HOST pages.
 
-    Same arguments and results as `triton_convert_req_index_to_global_index`.
-    The resolved entries stay valid, so upstream's valid counts still hold.
+    Same arguments and results as `triton_convert_req_index_to_global_index`; every
+    backend passes all but the first three by name, and the ones read here are named in
+    this signature, so none is guessed from its position. The resolved entries stay
+    valid, so upstream's valid counts still hold.
     """
     from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
 
-    converted = triton_convert_req_index_to_global_index(req_id, block_table, token_indices, *args, **kwargs)
+    converted = triton_convert_req_index_to_global_index(
+        req_id, block_table, token_indices, BLOCK_SIZE=BLOCK_SIZE, BLOCK_STRIDE_ROWS=BLOCK_STRIDE_ROWS,
+        HAS_PREFILL_WORKSPACE=HAS_PREFILL_WORKSPACE, **kwargs,
+    )
     if _resolving is None:
         return converted
-    # The call's arguments by name, upstream's defaults filled in: no guessing at positions.
-    bound = inspect.signature(triton_convert_req_index_to_global_index).bind(
-        req_id, block_table, token_indices, *args, **kwargs
-    )
-    bound.apply_defaults()
-    named = bound.arguments
-    if named["HAS_PREFILL_WORKSPACE"]:
+    if HAS_PREFILL_WORKSPACE:
         raise NotImplementedError(
             "Hybrid HiSparse: FlashMLA's prefill workspace gathers whole contexts through the "
             "block table; HiSparse runs FlashMLA sparse on its mixed-batch path"
         )
-    rows, counts = converted if isinstance(converted, tuple) else (converted, None)
-    block_size = named["BLOCK_SIZE"]
-    if block_size != SPARSE_MLA_PAGE_TOKENS:
+    if BLOCK_SIZE != SPARSE_MLA_PAGE_TOKENS:
         raise NotImplementedError(
             f"Hybrid HiSparse pages are {SPARSE_MLA_PAGE_TOKENS} tokens; the backend converted "
-            f"indices with BLOCK_SIZE={block_size}"
+            f"indices with BLOCK_SIZE={BLOCK_SIZE}"
         )
-    index_stride = named["BLOCK_STRIDE_ROWS"] or block_size
-    resolved = resolve_selected_rows(token_indices, req_id, rows, index_stride)
+    rows, counts = converted if isinstance(converted, tuple) else (converted, None)
+    resolved = resolve_selected_rows(token_indices, req_id, rows, BLOCK_STRIDE_ROWS or BLOCK_SIZE)
     return (resolved, counts) if counts is not None else resolved
