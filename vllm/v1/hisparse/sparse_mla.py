@@ -140,12 +140,14 @@ def convert_req_index_to_global_index(
     """
     from vllm.v1.attention.backends.mla.sparse_utils import triton_convert_req_index_to_global_index
 
-    converted = triton_convert_req_index_to_global_index(
-        req_id, block_table, token_indices, BLOCK_SIZE=BLOCK_SIZE, BLOCK_STRIDE_ROWS=BLOCK_STRIDE_ROWS,
-        HAS_PREFILL_WORKSPACE=HAS_PREFILL_WORKSPACE, **kwargs,
-    )
+    def convert():
+        return triton_convert_req_index_to_global_index(
+            req_id, block_table, token_indices, BLOCK_SIZE=BLOCK_SIZE, BLOCK_STRIDE_ROWS=BLOCK_STRIDE_ROWS,
+            HAS_PREFILL_WORKSPACE=HAS_PREFILL_WORKSPACE, **kwargs,
+        )
+
     if _resolving is None:
-        return converted
+        return convert()
     if HAS_PREFILL_WORKSPACE:
         raise NotImplementedError(
             "Hybrid HiSparse: FlashMLA's prefill workspace gathers whole contexts through the "
@@ -156,6 +158,7 @@ def convert_req_index_to_global_index(
             f"Hybrid HiSparse pages are {SPARSE_MLA_PAGE_TOKENS} tokens; the backend converted "
             f"indices with BLOCK_SIZE={BLOCK_SIZE}"
         )
+    converted = convert()
     rows, counts = converted if isinstance(converted, tuple) else (converted, None)
     resolved = resolve_selected_rows(token_indices, req_id, rows, BLOCK_STRIDE_ROWS or BLOCK_SIZE)
     return (resolved, counts) if counts is not None else resolved
