@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,23 @@ from vllm.v1.hisparse.resolver import (
 # The attribute a backend's resolving forward_mqa carries (see sparse_mla.py).
 RESOLVING_MARKER = "resolves_through_hisparse"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def host_to_device(
+    values: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Host values (int64) on `device` without the host waiting for the device.
+
+    Built on the host, pinned on CUDA and copied with `non_blocking`: a copy from pageable
+    memory would make the host wait for the stream. Torch's pinned-memory allocator keeps
+    the buffer until its copy has run, so the caller may drop it at once.
+    """
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def topk_owner_of_layer(layers: Iterable[str], indexer_layers: Iterable[str]) -> dict[str, int]:
@@ -163,14 +180,17 @@ class HiSparseResolution:
         leases: Iterable[HotLeaseUpdate],
         staging: Iterable[StepStaging],
     ) -> None:
-        """Apply a plan's residency deltas before the step's forward."""
-        for lease in leases:
-            row = self._row_of(lease.request_id)
+        """Apply a plan's residency deltas before the step's forward: one non-blocking copy
+        of each table's changed entries, nothing read back."""
+        new_leases = {self._row_of(lease.request_id): lease.block_ids for lease in leases}
+        if new_leases:
+            rows = host_to_device(list(new_leases), self.device)
             for column, g in enumerate(self.mla_group_ids):
-                self._lease_blocks[g][row] = torch.tensor(lease.block_ids[column], dtype=torch.int64)
+                blocks = host_to_device([block_ids[column] for block_ids in new_leases.values()], self.device)
+                self._lease_blocks[g].index_copy_(0, rows, blocks)
             for hot in self._hot.values():  # a new lease starts empty
-                hot.positions[row] = -1
-                hot.stamps[row] = -1
+                hot.positions.index_fill_(0, rows, -1)
+                hot.stamps.index_fill_(0, rows, -1)
         # In order, the last update of a page standing (a page may be restored and demoted
         # again within one plan).
         latest: dict[tuple[int, int], int] = {}
@@ -186,13 +206,11 @@ class HiSparseResolution:
                 self._with_host_pages.add(update.request_id)
             else:
                 self._with_host_pages.discard(update.request_id)
-        rows = [row for row, _ in latest]
-        pages = [page for _, page in latest]
-        values = list(latest.values())
-        if rows:
-            index = (torch.tensor(rows), torch.tensor(pages))
+        if latest:
+            rows, pages = zip(*latest, strict=True)
             self.host_page_table.index_put_(
-                tuple(i.to(self.device) for i in index), torch.tensor(values, device=self.device)
+                (host_to_device(rows, self.device), host_to_device(pages, self.device)),
+                host_to_device(list(latest.values()), self.device),
             )
         self._staging = {entry.request_id: entry for entry in staging}
 
@@ -454,12 +472,11 @@ class _Step:
     def __init__(self, resolution: HiSparseResolution, request_ids: list[str], batch_rows: list[int]) -> None:
         device = resolution.device
         self.request_ids = request_ids
-        self.requests = torch.tensor([resolution._row[rid] for rid in request_ids], dtype=torch.int64,
-                                     device=device)
+        self.requests = host_to_device([resolution._row[rid] for rid in request_ids], device)
         self._batch_rows = batch_rows
         staging = [resolution._staging.get(rid) for rid in request_ids]
         self.staging_counts = [s.num_slots if s else 0 for s in staging]
-        self.staging_slots = torch.tensor(self.staging_counts, dtype=torch.int64, device=device)
+        self.staging_slots = host_to_device(self.staging_counts, device)
         self._staging = staging
         self._mla_group_ids = resolution.mla_group_ids
         self._device = device
@@ -489,11 +506,7 @@ class _Step:
         # Token k of the planned ones is its request's start plus its rank within the request.
         first = torch.cumsum(counts, 0) - counts
         index = starts[of_request] + torch.arange(int(counts.sum())) - first[of_request]
-        if self._device.type == "cuda":
-            index, of_request = index.pin_memory(), of_request.pin_memory()
-        self._planned = (
-            index.to(self._device, non_blocking=True), of_request.to(self._device, non_blocking=True)
-        )
+        self._planned = (host_to_device(index, self._device), host_to_device(of_request, self._device))
         self._planned_end = max((start + n for start, n in ranges), default=0)
         self._batch_tokens = batch_tokens
 
@@ -515,7 +528,7 @@ class _Step:
         if found is None:
             size = max(self._batch_rows, default=-1) + 1
             of_batch_row = torch.full((size + 1,), -1, dtype=torch.int64, device=self._device)
-            rows = torch.tensor(self._batch_rows, dtype=torch.int64, device=self._device)
+            rows = host_to_device(self._batch_rows, self._device)
             of_batch_row[rows] = torch.arange(len(self._batch_rows), device=self._device)
             found = of_batch_row[batch_rows.long().clamp(max=size)]
             self._token_requests[key] = found
@@ -543,7 +556,7 @@ class _Step:
             staged = torch.zeros((len(self._staging), widest), dtype=torch.int64, device=self._device)
             for m, entry in enumerate(self._staging):
                 if entry is not None:
-                    blocks = torch.tensor(entry.block_ids[column], dtype=torch.int64, device=self._device)
+                    blocks = host_to_device(entry.block_ids[column], self._device)
                     staged[m, : entry.num_slots] = (blocks.unsqueeze(-1) * stride_rows + offsets).flatten()
             found = self._slot_rows[key] = torch.cat([hot, staged], dim=1)
         return found

@@ -301,6 +301,10 @@ class HiSparseWorker:
         column = self._layer_column
         block_ids = torch.tensor([[page.block_ids[c] for c in column] for page in pages], dtype=torch.int64)
         host_pages = torch.tensor([page.host_page for page in pages], dtype=torch.int64)
+        if self.kv_cache_list[0].is_cuda:
+            # The op copies them to the device non-blocking: from pinned memory, so the host
+            # does not wait for the stream.
+            block_ids, host_pages = block_ids.pin_memory(), host_pages.pin_memory()
         copy_pages(self.kv_cache_list, self.host_pool, block_ids, host_pages, to_host, error=error)
 
 
