@@ -9,7 +9,9 @@ Needs torch with CUDA and nvcc (no vLLM, no network). It:
 3. runs the shared production-shape checks itself (tests/support/kernel_checks.py),
    so the verdicts are there without pytest too: resolution of 128 decode requests
    (fp8_ds_mla and bf16 rows; 0%, 10% and 50% misses), an 8K-token prefill chunk,
-   page copies of an 8K-token chunk both ways, out-of-bounds flags;
+   page copies of an 8K-token chunk both ways, out-of-bounds flags, and one whole step
+   of the worker's resolution glue under `torch.cuda.set_sync_debug_mode("error")`
+   (any host wait fails it), compared with the same step on the CPU;
 4. measures, with CUDA events: resolver time per step and per layer at batch 64 with
    0%, 10% and 50% misses, the host->device GB/s of the miss path and of page copies,
    and one batched post-forward copy against one launch per layer;
@@ -115,6 +117,10 @@ def verdicts(quick: bool) -> list[tuple[str, dict]]:
         return {"bit_exact": all(flags.values()), **flags}
 
     attempt(rows, "out-of-bounds indices flag the error word, write nothing", bounds)
+    attempt(
+        rows, "a worker step (deltas, plan, rows, counters): no host wait (sync debug mode), as on the CPU",
+        kc.check_worker_step_without_host_waits,
+    )
     return rows
 
 

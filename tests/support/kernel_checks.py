@@ -326,3 +326,112 @@ def check_out_of_bounds_kernels() -> dict:
     torch.cuda.synchronize()
     pages_ok = int(error) == ERROR_PAGE_OUT_OF_BOUNDS and torch.equal(case.storage.cpu(), expected)
     return {"row_copy_flags_and_skips": rows_ok, "page_copy_flags_and_skips": pages_ok}
+
+
+WORKER_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def worker_step(device: str, seed: int = 0) -> dict:
+    """One step of the worker's resolution glue (`HiSparseResolution`: a plan's deltas,
+    the step's start, both layers' resolution, the step's end) on `device`, over seeded
+    inputs built on the CPU: a 100-token prefill chunk over four HOST pages, with staging
+    for all of them, beside two decodes with one HOST page each, top-K 64, 656-byte rows.
+    Returns each layer's resolved rows and cache, the device counters and error word (on
+    `device`: reading them is the caller's, after the step) and the host counters."""
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.plan import HostPageUpdate, HotLeaseUpdate, StepStaging
+    from vllm.v1.hisparse.resolution import HiSparseResolution
+
+    g = torch.Generator().manual_seed(seed)
+    topk, hot_rows, blocks, width = 64, 128, 40, 656
+    order = ["d0", "long", "d1"]
+    scheduled = {"d0": 1, "long": 100, "d1": 1}
+    # Context before the step's tokens, and the HOST pages of each request.
+    context = {"d0": 200, "long": 320, "d1": 150}
+    host_pages = {"d0": [0], "long": [0, 1, 2, 3], "d1": [0]}
+    pool_shape = (len(WORKER_LAYERS), 8, BLOCK, width)
+    host_pool = torch.randint(0, 256, pool_shape, dtype=torch.uint8, generator=g)
+    if device == "cuda":
+        host_pool = host_pool.pin_memory()
+    caches = [torch.zeros((blocks * BLOCK, width), dtype=torch.uint8, device=device) for _ in WORKER_LAYERS]
+    batch = SimpleNamespace(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)})
+    resolution = HiSparseResolution(
+        SimpleNamespace(input_batch=batch), dict.fromkeys(WORKER_LAYERS, 0), dict.fromkeys(WORKER_LAYERS, 0),
+        BLOCK, hot_rows, host_pool, torch.device(device), max_pages=16,
+    )
+    next_host = iter(range(8))
+    updates = [HostPageUpdate(r, p, next(next_host)) for r in order for p in host_pages[r]]
+    leases = [HotLeaseUpdate(r, ((1 + 2 * i, 2 + 2 * i),)) for i, r in enumerate(order)]
+    staging = [StepStaging("long", 2 * BLOCK, ((10, 11),))]
+    positions = torch.cat([
+        torch.randint(0, context[r] + n, (n, topk), generator=g) for r, n in scheduled.items()
+    ]).to(torch.int32)
+    counts = torch.tensor([scheduled[r] for r in order])
+    batch_rows = torch.repeat_interleave(torch.arange(len(order)), counts)
+    rows = torch.zeros_like(positions, dtype=torch.int64)  # the backend's conversion: HOST -> the null block
+    on = {"positions": positions, "batch_rows": batch_rows, "rows": rows}
+    on = {k: v.to(device, non_blocking=True) for k, v in on.items()}
+    resolution.update(updates, leases, staging)
+    resolution.start_step(scheduled)
+    resolved = []
+    for layer, cache in zip(WORKER_LAYERS, caches, strict=True):
+        assert resolution.resolves(layer)
+        resolved.append(
+            resolution.resolve_rows(layer, on["positions"], on["batch_rows"], on["rows"], cache, BLOCK)
+        )
+    device_counts, error, host_counts, _ = resolution.end_step()
+    return {"resolved": resolved, "caches": caches, "device_counts": device_counts, "error": error,
+            "host_counts": host_counts, "positions": positions, "host_pool": host_pool,
+            "host_pages": {r: [u.host_page for u in updates if u.request_id == r] for r in order},
+            "order": order, "scheduled": scheduled}
+
+
+def on_the_host(step: dict) -> dict:
+    """A `worker_step` result with its device values read (after the step)."""
+    return {
+        "resolved": [r.cpu() for r in step["resolved"]],
+        "caches": [c.cpu() for c in step["caches"]],
+        "device_counts": step["device_counts"].cpu(),
+        "error": int(step["error"]),
+        "host_counts": step["host_counts"],
+    }
+
+
+def host_entries_read_true_rows(step: dict) -> bool:
+    """Whether every selected position on a HOST page resolved to a cache row holding that
+    position's row of the host pool, in every layer."""
+    positions, pool = step["positions"], step["host_pool"].cpu()
+    token = 0
+    for request in step["order"]:
+        pages = step["host_pages"][request]
+        for _ in range(step["scheduled"][request]):
+            for k, p in enumerate(positions[token].tolist()):
+                if p // BLOCK >= len(pages):
+                    continue  # a resident position: the backend's own row
+                for layer, (resolved, cache) in enumerate(zip(step["resolved"], step["caches"], strict=True)):
+                    row = cache[int(resolved[token, k])].cpu()
+                    if not torch.equal(row, pool[layer, pages[p // BLOCK], p % BLOCK]):
+                        return False
+            token += 1
+    return True
+
+
+def check_worker_step_without_host_waits() -> dict:
+    """The worker step on CUDA under `torch.cuda.set_sync_debug_mode("error")` (any call
+    that makes the host wait for the GPU raises), against the same step on the CPU."""
+    reference = on_the_host(worker_step("cpu"))
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = worker_step("cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    on_gpu = on_the_host(step)
+    same = all(
+        torch.equal(a, b)
+        for key in ("resolved", "caches")
+        for a, b in zip(on_gpu[key], reference[key], strict=True)
+    ) and torch.equal(on_gpu["device_counts"], reference["device_counts"])
+    true_rows = host_entries_read_true_rows(step)
+    return {"bit_exact": same and true_rows and on_gpu["error"] == reference["error"] == 0, "host_waits": 0}

@@ -137,3 +137,19 @@ def test_the_glue_creates_no_tensor_straight_on_the_device():
             if re.search(r"torch\.(tensor|as_tensor)\([^#]*device=", line):
                 found.append(f"{name}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_the_gpu_checks_worker_step_runs_here_and_reads_the_true_rows():
+    # scripts/gpu_check.py runs this step on CUDA under the sync debug mode and compares it
+    # with this CPU run; here it runs whole, and every host entry reads its true row.
+    import kernel_checks as kc
+
+    step = kc.worker_step("cpu")
+    host = kc.on_the_host(step)
+    assert host["error"] == 0 and host["host_counts"]["partitioned_plans"] == 0
+    assert host["host_counts"]["resolver_calls"] == len(kc.WORKER_LAYERS)
+    assert kc.host_entries_read_true_rows(step)
+    # A wrong row is seen: corrupt the row a HOST entry of the chunk's first token reads.
+    k = next(k for k, p in enumerate(step["positions"][1].tolist()) if p < 4 * kc.BLOCK)
+    step["caches"][1][step["resolved"][1][1, k]] += 1
+    assert not kc.host_entries_read_true_rows(step)
