@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 #include <torch/library.h>
 
 #include "hisparse_page_copy.h"
@@ -32,6 +33,21 @@ void check_error_word(const at::Tensor& error) {
 
 void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device());
+}
+
+// The device address of host memory the kernels read through its mapping, from the driver's
+// own record of the pointer (cudaPointerGetAttributes): a torch pinned allocation and an
+// mmap registered with cudaHostRegister (the production host pool) pass alike; pageable
+// memory is refused naming the tensor.
+const void* mapped_host_pointer(const at::Tensor& host, const char* name) {
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, host.data_ptr());
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // pageable memory on older drivers: not a sticky error
+  }
+  TORCH_CHECK(status == cudaSuccess && attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr,
+              name, " must be pinned or CUDA-registered (mapped) host memory");
+  return attributes.devicePointer;
 }
 
 // kv_rows: [rows, width] with contiguous columns; host_rows: [rows, width] host memory, same
@@ -66,10 +82,8 @@ void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows, const 
                          const at::Tensor& src_rows, const at::Tensor& copy, at::Tensor& error) {
   check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
   TORCH_CHECK(kv_rows.is_cuda(), "kv_rows must be a CUDA tensor");
-  TORCH_CHECK(host_rows.is_pinned(), "host_rows must be pinned (or CUDA-registered) host memory");
   const c10::cuda::CUDAGuard guard(kv_rows.device());
-  void* host_ptr = nullptr;
-  C10_CUDA_CHECK(cudaHostGetDevicePointer(&host_ptr, host_rows.data_ptr(), 0));
+  const void* host_ptr = mapped_host_pointer(host_rows, "host_rows");
   hisparse::RowCopyArgs args{};
   args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
   args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
@@ -133,7 +147,6 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
                      const at::Tensor& host_pages, bool to_host, at::Tensor& error) {
   check_copy_pages(kv_caches, host_pool, block_ids, host_pages, error);
   TORCH_CHECK(kv_caches[0].is_cuda(), "kv_caches must be CUDA tensors");
-  TORCH_CHECK(host_pool.is_pinned(), "host_pool must be pinned (or CUDA-registered) host memory");
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   const int64_t element = host_pool.element_size();
   // Per layer: block 0's device address, the bytes between blocks, the number of blocks.
@@ -149,14 +162,13 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
   }
   const c10::cuda::CUDAGuard guard(kv_caches[0].device());
   const auto device_layers = layers.to(kv_caches[0].device(), /*non_blocking=*/true);
-  void* host_ptr = nullptr;
-  C10_CUDA_CHECK(cudaHostGetDevicePointer(&host_ptr, host_pool.data_ptr(), 0));
+  const void* host_ptr = mapped_host_pointer(host_pool, "host_pool");
 
   hisparse::PageCopyArgs args{};
   args.layer_base = device_layers.data_ptr<int64_t>();
   args.layer_block_stride = args.layer_base + num_layers;
   args.layer_num_blocks = args.layer_base + 2 * num_layers;
-  args.host_pool = static_cast<char*>(host_ptr);
+  args.host_pool = static_cast<char*>(const_cast<void*>(host_ptr));
   args.host_layer_stride = host_pool.stride(0) * element;
   args.host_page_stride = host_pool.stride(1) * element;
   args.num_host_pages = host_pool.size(1);
