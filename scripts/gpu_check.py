@@ -117,6 +117,8 @@ def verdicts(quick: bool) -> list[tuple[str, dict]]:
         return {"bit_exact": all(flags.values()), **flags}
 
     attempt(rows, "out-of-bounds indices flag the error word, write nothing", bounds)
+    attempt(rows, "the registered host pool (cudaHostRegister'd mmap) read by the row and page kernels",
+            kc.check_registered_host_pool)
     attempt(
         rows, "a worker step (deltas, plan, rows, counters): no host wait (sync debug mode), as on the CPU",
         kc.check_worker_step_without_host_waits,

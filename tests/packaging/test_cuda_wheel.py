@@ -51,7 +51,8 @@ def extracted(cuda_wheel, tmp_path_factory) -> Path:
     """The extension and its loader, out of the wheel, in a tree without vLLM."""
     root = tmp_path_factory.mktemp("wheel-tree")
     with zipfile.ZipFile(cuda_wheel) as zf:
-        for name in (EXTENSION, "vllm/v1/hisparse/ops.py", "vllm/v1/hisparse/__init__.py"):
+        for name in (EXTENSION, "vllm/v1/hisparse/ops.py", "vllm/v1/hisparse/__init__.py",
+                     "vllm/v1/hisparse/host_memory.py"):
             zf.extract(name, root)
     return root
 
@@ -137,6 +138,12 @@ def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
     )
     for op, results in probe["opcheck"].items():
         assert results and set(results.values()) == {"SUCCESS"}, (op, results)
+
+
+def test_the_host_pool_maps_where_vllm_is_not_installed(probe):
+    # gpu_check registers the production pool on bare GPU machines: host_memory's logging
+    # falls back to the standard library's there.
+    assert probe["host_pool_without_vllm"] == [1, 2, 64, 16]
 
 
 def test_gpu_check_builds_and_loads_the_extension_without_a_gpu(cuda_wheel):

@@ -87,6 +87,11 @@ def main(root: str) -> dict:
         "plan_resolution": error_of(lambda: namespace.plan_resolution(*plan_args("meta", max_entries=12))),
         "plan_resolution_topk_0": error_of(lambda: namespace.plan_resolution(*plan_args("meta", topk=0))),
     }
+    # gpu_check maps the production host pool on machines without vLLM.
+    from vllm.v1.hisparse.host_memory import HostPoolMemory
+
+    pool = HostPoolMemory((1, 2, 64, 16), torch.uint8, register=False)
+    report["host_pool_without_vllm"] = list(pool.tensor.shape)
     report["opcheck"] = {
         "copy_host_rows": torch.library.opcheck(namespace.copy_host_rows.default, rows_args("meta")),
         "copy_pages": torch.library.opcheck(namespace.copy_pages.default, pages_args("meta")),

@@ -435,3 +435,36 @@ def check_worker_step_without_host_waits() -> dict:
     ) and torch.equal(on_gpu["device_counts"], reference["device_counts"])
     true_rows = host_entries_read_true_rows(step)
     return {"bit_exact": same and true_rows and on_gpu["error"] == reference["error"] == 0, "host_waits": 0}
+
+
+def check_registered_host_pool(layers: int = 2, pages: int = 4, row_bytes: int = 656) -> dict:
+    """The production host pool (`HostPoolMemory`: one mmap, `cudaHostRegister`ed, not a torch
+    pinned allocation) passes the ops' pinned checks and is read by the row copy kernel and
+    both page copy directions, byte for byte."""
+    from vllm.v1.hisparse.host_memory import HostPoolMemory
+    from vllm.v1.hisparse.resolver import copy_host_rows
+
+    g = torch.Generator().manual_seed(6)
+    memory = HostPoolMemory((layers, pages, BLOCK, row_bytes), torch.uint8, register=True)
+    try:
+        pool = memory.tensor
+        pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8, generator=g))
+        # Row copies: host rows 5 and 200 of layer 0 into device rows 3 and 7.
+        kv = torch.zeros((16, row_bytes), dtype=torch.uint8, device="cuda")
+        error = torch.zeros((), dtype=torch.int64, device="cuda")
+        host_rows = pool[0].flatten(0, 1)
+        copy_host_rows(kv, torch.tensor([3, 7]).cuda(), host_rows, torch.tensor([5, 200]).cuda(),
+                       torch.ones(2, dtype=torch.bool).cuda(), error=error)
+        rows_ok = torch.equal(kv[3].cpu(), host_rows[5]) and torch.equal(kv[7].cpu(), host_rows[200])
+        # Page copies: host page 1 -> device block 2 of each layer, then back into host page 3.
+        caches = [torch.zeros((4, BLOCK, row_bytes), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+        blocks = torch.full((1, layers), 2, dtype=torch.int64)
+        copy_pages(caches, pool, blocks, torch.tensor([1]), to_host=False, use_kernel=True, error=error)
+        copy_pages(caches, pool, blocks, torch.tensor([3]), to_host=True, use_kernel=True, error=error)
+        torch.cuda.synchronize()
+        pages_ok = all(torch.equal(caches[lay][2].cpu(), pool[lay, 1]) for lay in range(layers))
+        pages_ok = pages_ok and torch.equal(pool[:, 3], pool[:, 1])
+        return {"bit_exact": rows_ok and pages_ok and int(error) == 0, "is_pinned": bool(pool.is_pinned()),
+                "rows": rows_ok, "pages": pages_ok}
+    finally:
+        memory.release()

@@ -39,7 +39,10 @@ from pathlib import Path
 
 import torch
 
-from vllm.logger import init_logger
+try:
+    from vllm.logger import init_logger
+except ImportError:  # scripts/gpu_check.py maps and registers pools on machines without vLLM
+    from logging import getLogger as init_logger
 
 logger = init_logger(__name__)
 
