@@ -19,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include "hisparse_copy.h"
 #include "hisparse_page_copy.h"
 
 namespace hisparse {
@@ -41,8 +42,7 @@ __global__ void copy_pages_kernel(PageCopyArgs args) {
       args.host_pool + l * args.host_layer_stride + host_page_index * args.host_page_stride;
   const word_t* src = reinterpret_cast<const word_t*>(args.to_host ? device_page : host_page);
   word_t* dst = reinterpret_cast<word_t*>(args.to_host ? host_page : device_page);
-  const int64_t words = args.page_bytes / static_cast<int64_t>(sizeof(word_t));
-  for (int64_t w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+  copy_words(dst, src, args.page_bytes / static_cast<int64_t>(sizeof(word_t)), threadIdx.x, blockDim.x);
 }
 
 bool aligned(int64_t value, int64_t alignment) { return value % alignment == 0; }

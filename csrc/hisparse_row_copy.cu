@@ -7,7 +7,8 @@
 // fixed-size per-entry arrays of a ResolutionPlan (one per selected position of
 // the step, masked to its distinct misses), so the launch needs no count read
 // back from the device. One warp copies one row from pinned host memory through
-// its device mapping, in 16-byte words when rows and strides allow; entries
+// its device mapping, in 16-byte words when rows and strides allow (all of a row's
+// loads issued before its stores, csrc/hisparse_copy.h); entries
 // never share a destination (each miss has its own slot), so warps never race.
 // Every decision is read from the read-only plan arrays; no thread waits on
 // another. Rows are range-checked: an entry outside its table copies nothing
@@ -21,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "hisparse_copy.h"
 #include "hisparse_row_copy.h"
 
 namespace hisparse {
@@ -40,8 +42,7 @@ __global__ void copy_host_rows_kernel(RowCopyArgs args) {
   }
   const word_t* src = reinterpret_cast<const word_t*>(args.host_rows + src_row * args.host_row_stride);
   word_t* dst = reinterpret_cast<word_t*>(args.kv_rows + dst_row * args.kv_row_stride);
-  const int64_t words = args.row_bytes / static_cast<int64_t>(sizeof(word_t));
-  for (int64_t w = lane; w < words; w += 32) dst[w] = src[w];
+  copy_words(dst, src, args.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
 }
 
 bool aligned(int64_t value) { return value % 16 == 0; }
