@@ -198,11 +198,11 @@ def test_a_step_the_workers_cannot_resolve_for_a_request_fails_that_request_alon
     armed: list[bool] = []
 
     def one_pass_once(*args, **kwargs):
-        token_pass = partition_passes(*args, **kwargs)
-        if armed and not faulted and int(token_pass.max()) > 0:
+        token_pass, num_passes = partition_passes(*args, **kwargs)
+        if armed and not faulted and num_passes > 1:
             faulted.append(True)
-            return token_pass.zero_()
-        return token_pass
+            return token_pass.zero_(), 1
+        return token_pass, num_passes
 
     monkeypatch.setattr(resolution, "partition_passes", one_pass_once)
     rng = random.Random(5)

@@ -275,8 +275,9 @@ def test_a_step_beyond_hot_and_staging_rows_resolves_in_passes_that_read_the_tru
         return
     capacity = hot_slots + s.staging_slots
     table = s.host_page_table
-    token_pass = partition_passes(s.positions, s.token_requests, table, s.table_rows, BLOCK, capacity)
-    num_passes = int(token_pass.max()) + 1
+    token_pass, num_passes = partition_passes(s.positions, s.token_requests, table, s.table_rows, BLOCK,
+                                              capacity)
+    assert num_passes == int(token_pass.max()) + 1
     passes = plan_passes(s.positions, s.token_requests, table, BLOCK, s.hot, s.staging_slots, s.step,
                          s.table_rows, token_pass, num_passes)
     on_host = host_entries(s.positions, s.token_requests, s.host_page_table, s.table_rows, BLOCK)
@@ -308,9 +309,10 @@ def test_a_chunk_over_a_long_host_context_takes_passes_not_a_shorter_chunk():
     two tokens fit a pass, so four passes; one token per pass would waste passes."""
     s = build(1, num_reqs=1, pages=8, hot_slots=4, tokens=1, topk=4, resident_p=0.0, hot_fill=0, staging=4)
     positions = torch.arange(32).view(8, 4)
-    token_pass = partition_passes(positions, torch.zeros(8, dtype=torch.int64), s.host_page_table,
-                                  s.table_rows, BLOCK, torch.tensor([8]))
-    assert token_pass.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    token_pass, num_passes = partition_passes(positions, torch.zeros(8, dtype=torch.int64), s.host_page_table,
+                                              s.table_rows, BLOCK, torch.tensor([8]))
+    assert token_pass.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and num_passes == 4
     shared = torch.tensor([[0, 1, 2, 3]] * 8)  # every token selects the same rows: one pass
-    assert partition_passes(shared, torch.zeros(8, dtype=torch.int64), s.host_page_table, s.table_rows,
-                            BLOCK, torch.tensor([8])).tolist() == [0] * 8
+    token_pass, num_passes = partition_passes(shared, torch.zeros(8, dtype=torch.int64), s.host_page_table,
+                                              s.table_rows, BLOCK, torch.tensor([8]))
+    assert token_pass.tolist() == [0] * 8 and num_passes == 1

@@ -392,14 +392,13 @@ class HiSparseResolution:
             > self.hot_rows + slots
             for rid, slots in zip(step.request_ids, step.staging_counts, strict=True)
         )
-        token_pass = None
+        token_pass, num_passes = None, 1
         if may_overflow:
             self.counts["partitioned_plans"] += 1
-            token_pass = partition_passes(
+            token_pass, num_passes = partition_passes(
                 positions, token_requests, self.host_page_table, step.requests, self.block_size,
-                self.hot_rows + step.staging_slots,
+                [self.hot_rows + n for n in step.staging_counts],
             )
-        num_passes = int(token_pass.max()) + 1 if token_pass is not None and token_pass.numel() else 1
         if num_passes == 1:
             plan = plan_resolution(
                 positions, token_requests, self.host_page_table, self.block_size, active,

@@ -57,6 +57,7 @@ it is given.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -361,46 +362,85 @@ def partition_passes(
     host_page_table: torch.Tensor,
     table_rows: torch.Tensor,
     block_size: int,
-    capacity: torch.Tensor,
-) -> torch.Tensor:
-    """[T] int64: the pass of each token (see the module docstring).
+    capacity: torch.Tensor | Sequence[int],
+) -> tuple[torch.Tensor, int]:
+    """([T] int64, P): the pass of each token (see the module docstring), and the passes.
 
     Request m's tokens, in order, are cut into the longest runs whose distinct
     positions on HOST pages number at most capacity[m] (its hot rows plus its
-    staging rows); a token of a request without HOST pages is in pass 0. It reads
-    the run boundaries back, one per extra pass: the caller calls it only for a
-    step that may need passes (some request's tokens x top-K above its capacity).
+    staging rows); a token of a request without HOST pages is in pass 0. Every
+    request's runs are cut together with fixed-shape operations; the host reads one
+    [M] vector per pass (where each request's run ends), so a step of P passes reads
+    back P times. The caller calls it only for a step that may need passes (what some
+    request may select above its capacity).
     """
-    num_tokens = positions.shape[0]
-    token_pass = torch.zeros(num_tokens, dtype=torch.int64, device=positions.device)
+    device = positions.device
+    num_tokens, topk = positions.shape
+    limits = capacity.tolist() if isinstance(capacity, torch.Tensor) else list(capacity)
+    num_requests = len(limits)
+    if not num_tokens or not num_requests:
+        return torch.zeros(num_tokens, dtype=torch.int64, device=device), 1
     on_host = host_entries(positions, token_requests, host_page_table, table_rows, block_size)
-    for m in range(capacity.shape[0]):
-        tokens = torch.nonzero(token_requests == m).squeeze(1)
-        if not tokens.numel():
-            continue
-        local, column = torch.nonzero(on_host[tokens], as_tuple=True)
-        if not local.numel():
-            continue
-        # Each distinct position, and the tokens (by local index) that select it.
-        _, position_id = torch.unique(positions[tokens][local, column].long(), return_inverse=True)
-        num_positions = int(position_id.max()) + 1
-        limit = int(capacity[m])
-        start, pass_index = 0, 0
-        while True:
-            later = local >= start
-            first = torch.full((num_positions,), tokens.numel(), dtype=torch.int64, device=positions.device)
-            first.scatter_reduce_(0, position_id[later], local[later], reduce="amin")
-            firsts = torch.sort(first[first < tokens.numel()]).values
-            if firsts.numel() <= limit:
-                token_pass[tokens[start:]] = pass_index
-                break
-            # The run ends before the token whose selections bring the limit-plus-first row.
-            end = max(int(firsts[limit]), start + 1)
-            token_pass[tokens[start:end]] = pass_index
-            start, pass_index = end, pass_index + 1
-            if start >= tokens.numel():
-                break
-    return token_pass
+    request = torch.where((token_requests >= 0) & (token_requests < num_requests), token_requests.long(),
+                          num_requests)
+    # Each token's rank among its request's tokens (their order kept).
+    by_request = torch.sort(request, stable=True).indices
+    tokens_of = torch.zeros(num_requests + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, request, torch.ones_like(request)
+    )
+    local = torch.empty_like(request)
+    local[by_request] = torch.arange(num_tokens, device=device) - (torch.cumsum(tokens_of, 0) - tokens_of)[
+        request[by_request]
+    ]
+    # The distinct (request, position) keys on HOST pages, numbered; the rest share the last.
+    entry_request = request.unsqueeze(1).expand(num_tokens, topk).flatten()
+    entry_local = local.unsqueeze(1).expand(num_tokens, topk).flatten()
+    on_host = on_host.flatten()
+    sentinel = (num_requests + 1) * KEY_STRIDE
+    key = torch.where(on_host, entry_request * KEY_STRIDE + positions.long().flatten(), sentinel)
+    sorted_key, order = torch.sort(key)
+    new = torch.ones_like(sorted_key, dtype=torch.bool)
+    new[1:] = sorted_key[1:] != sorted_key[:-1]
+    key_id = torch.empty_like(order)
+    key_id[order] = torch.cumsum(new, 0) - 1
+    num_keys = num_entries = num_tokens * topk
+    id_request = torch.full((num_keys,), num_requests, dtype=torch.int64, device=device)
+    id_request.scatter_(0, key_id, torch.where(on_host, entry_request, num_requests))
+    limit = torch.tensor(limits, dtype=torch.int64).to(device, non_blocking=True)
+    span = num_tokens + 1  # composite (request, first token) keys, request-major
+    absent = (num_requests + 1) * span
+    start = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
+    ends: list[list[int]] = [[] for _ in range(num_requests)]
+    while True:
+        # Each key's first token at or after its request's run start, then the keys of each
+        # request in that order: the run ends before the token of the (limit + 1)-th.
+        later = on_host & (entry_local >= start[entry_request])
+        first = torch.full((num_keys + 1,), num_tokens, dtype=torch.int64, device=device)
+        first.scatter_reduce_(0, torch.where(later, key_id, num_keys), entry_local, reduce="amin")
+        present = first[:num_keys] < num_tokens
+        composite = torch.sort(torch.where(present, id_request * span + first[:num_keys], absent)).values
+        keys_of = torch.zeros(num_requests + 1, dtype=torch.int64, device=device).scatter_add_(
+            0, torch.where(present, id_request, num_requests), present.long()
+        )[:num_requests]
+        at = (torch.cumsum(keys_of, 0) - keys_of + limit).clamp_(max=num_entries - 1)
+        boundary = composite[at] - torch.arange(num_requests, device=device) * span
+        end = torch.where(keys_of > limit, torch.maximum(boundary, start[:num_requests] + 1), -1)
+        cut = end.tolist()  # the pass's one read
+        if all(e < 0 for e in cut):
+            break
+        for m, e in enumerate(cut):
+            if e >= 0:
+                ends[m].append(e)
+        start[:num_requests] = torch.where(end >= 0, end, num_tokens)
+    # A token's pass: how many of its request's runs end at or before it.
+    widest = max(len(e) for e in ends)
+    if not widest:
+        return torch.zeros(num_tokens, dtype=torch.int64, device=device), 1
+    table = torch.full((num_requests + 1, widest), num_tokens, dtype=torch.int64)
+    for m, e in enumerate(ends):
+        table[m, : len(e)] = torch.tensor(e, dtype=torch.int64)
+    table = table.to(device, non_blocking=True)
+    return (table[request] <= local.unsqueeze(1)).sum(dim=1), widest + 1
 
 
 def plan_passes(
