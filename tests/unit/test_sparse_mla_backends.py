@@ -343,7 +343,8 @@ def test_cuda_backend_without_host_pages_runs_untouched(name, monkeypatch):
     assert counters["resolver_calls"] == 0 and counters["rows_loaded"] == 0
 
 
-def test_flashmla_prefill_workspace_is_refused_inside_a_resolving_layer(monkeypatch):
+def conversion_inside_a_resolving_layer(monkeypatch, **kwargs):
+    """Call the index conversion as a resolving layer's backend would, with `kwargs`."""
     case = Case("bf16")
     _, worker = case.demote()
     worker.begin_step(plan(((0, 0), (1, 1))))
@@ -351,33 +352,25 @@ def test_flashmla_prefill_workspace_is_refused_inside_a_resolving_layer(monkeypa
     assert resolution is not None and resolution.resolves(LAYER)
     monkeypatch.setattr(sparse_mla, "_resolving", sparse_mla._ResolvingLayer(
         resolution, LAYER, case.cache, BLOCK, sparse_mla.flat_row_view))
-    with pytest.raises(NotImplementedError, match="mixed-batch path"):
-        sparse_mla.convert_req_index_to_global_index(
+    try:
+        return sparse_mla.convert_req_index_to_global_index(
             torch.tensor(REQ_ID_PER_TOKEN, dtype=torch.int32),
             torch.tensor(HISPARSE_TABLE, dtype=torch.int32),
             case.positions,
-            BLOCK_SIZE=BLOCK,
-            HAS_PREFILL_WORKSPACE=True,
+            **kwargs,
         )
-    monkeypatch.setattr(sparse_mla, "_resolving", None)
-    worker.finish_step(SimpleNamespace())
+    finally:
+        monkeypatch.setattr(sparse_mla, "_resolving", None)
+        worker.finish_step(SimpleNamespace())
+
+
+def test_flashmla_prefill_workspace_is_refused_inside_a_resolving_layer(monkeypatch):
+    with pytest.raises(NotImplementedError, match="mixed-batch path"):
+        conversion_inside_a_resolving_layer(monkeypatch, BLOCK_SIZE=BLOCK, HAS_PREFILL_WORKSPACE=True)
 
 
 def test_a_conversion_with_another_block_size_is_refused_inside_a_resolving_layer(monkeypatch):
     # HiSparse pages are 64 tokens; a backend converting with other blocks would resolve
     # the wrong rows, so it is refused by name rather than guessed at.
-    case = Case("bf16")
-    _, worker = case.demote()
-    worker.begin_step(plan(((0, 0), (1, 1))))
-    resolution = hisparse_resolution.active_resolution()
-    monkeypatch.setattr(sparse_mla, "_resolving", sparse_mla._ResolvingLayer(
-        resolution, LAYER, case.cache, BLOCK, sparse_mla.flat_row_view))
     with pytest.raises(NotImplementedError, match="pages are 64 tokens.*BLOCK_SIZE=32"):
-        sparse_mla.convert_req_index_to_global_index(
-            torch.tensor(REQ_ID_PER_TOKEN, dtype=torch.int32),
-            torch.tensor(HISPARSE_TABLE, dtype=torch.int32),
-            case.positions,
-            BLOCK_SIZE=32,
-        )
-    monkeypatch.setattr(sparse_mla, "_resolving", None)
-    worker.finish_step(SimpleNamespace())
+        conversion_inside_a_resolving_layer(monkeypatch, BLOCK_SIZE=32)
