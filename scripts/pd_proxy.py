@@ -5,7 +5,10 @@ instance (a `kv_producer`) with `max_tokens` 1, which computes the prompt and
 leaves its KV cache where the KV connector puts it; then the unchanged
 request goes to the decode instance (a `kv_consumer`), which loads that KV
 cache instead of computing the prompt, and its answer (streamed or not) goes
-back to the client. With ExampleConnector both instances name the same
+back to the client. A client's own `kv_transfer_params` are dropped: they would
+tell the decode instance which peer to read KV from, so only the prefill
+instance's answer sets them. A body that is not a JSON object is refused (400).
+With ExampleConnector both instances name the same
 `shared_storage_path` and nothing else needs to pass between them. For
 connectors that pull the KV cache from the prefill instance (NixlConnector),
 the prefill request asks for a remote decode (`kv_transfer_params` with
@@ -76,6 +79,12 @@ def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as error:
                 self._reply(400, json.dumps({"error": f"request body is not JSON: {error}"}).encode())
                 return
+            if not isinstance(request, dict):
+                self._reply(400, json.dumps({"error": "request body must be a JSON object"}).encode())
+                return
+            # KV-transfer fields steer which peer the decode instance reads KV from: only the
+            # prefill instance's answer may set them, never the client.
+            request.pop("kv_transfer_params", None)
             prefill_request = dict(request, max_tokens=1, stream=False)
             prefill_request["kv_transfer_params"] = REMOTE_DECODE
             prefill_request.pop("max_completion_tokens", None)
@@ -83,10 +92,9 @@ def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
             try:
                 with _post(prefill + self.path, json.dumps(prefill_request).encode()) as response:
                     prefilled = json.loads(response.read())
-                if prefilled.get("kv_transfer_params"):
-                    params = prefilled["kv_transfer_params"]
-                    body = json.dumps(dict(request, kv_transfer_params=params)).encode()
-                with _post(decode + self.path, body) as response:
+                params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
+                decode_request = dict(request, kv_transfer_params=params) if params else request
+                with _post(decode + self.path, json.dumps(decode_request).encode()) as response:
                     self._relay(response)
             except urllib.error.HTTPError as error:
                 self._reply(error.code, error.read())
