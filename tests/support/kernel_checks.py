@@ -42,6 +42,16 @@ class ResolutionCase:
     selected_misses: float  # the fraction of host entries built to miss the hot buffer
 
 
+def distinct_rows(num_rows: int, row_bytes: int, gen: torch.Generator) -> torch.Tensor:
+    """[num_rows, row_bytes] uint8 rows that all differ: random patterns (4096 of them), each
+    row's own index in its first 8 bytes, so a row copied from the wrong place shows. Far
+    cheaper than random bytes for the gigabyte-sized host pools of production shapes."""
+    patterns = torch.randint(0, 256, (min(num_rows, 4096), row_bytes), dtype=torch.uint8, generator=gen)
+    rows = patterns[torch.randint(0, patterns.shape[0], (num_rows,), generator=gen)]
+    rows[:, :8] = torch.arange(num_rows, dtype=torch.int64).view(torch.uint8).view(num_rows, 8)
+    return rows
+
+
 def resolution_case(
     requests: int,
     tokens_per_request: int,
@@ -76,17 +86,30 @@ def resolution_case(
     resident = min(topk // 8, resident_pages * BLOCK)
     hits = topk - misses - resident
     positions = torch.empty((num_tokens, topk), dtype=torch.int64)
-    for t in range(num_tokens):
-        m = int(token_requests[t])
+
+    def distinct(values: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+        """[rows, k]: k distinct draws from `values` per row: a window of k at a random offset
+        into one random permutation of them (distinct within a row, varied across rows)."""
+        shuffled = values[torch.randperm(values.numel(), generator=gen)]
+        offsets = torch.randint(0, values.numel(), (rows, 1), generator=gen)
+        return shuffled[(offsets + torch.arange(k)) % values.numel()]
+
+    # Generated in blocks of tokens with tensor operations (no loop per token), so the
+    # production-sized cases build in seconds.
+    resident_values = host_positions + torch.arange(resident_pages * BLOCK)
+    for m in range(requests):
         held = hot_positions[m]
         not_held = torch.ones(host_positions, dtype=torch.bool)
         not_held[held] = False
         candidates = torch.nonzero(not_held).squeeze(1)
-        chosen_misses = candidates[torch.randperm(candidates.numel(), generator=gen)[:misses]]
-        chosen_hits = held[torch.randperm(hot_rows, generator=gen)[:hits]]
-        chosen_resident = host_positions + torch.randperm(resident_pages * BLOCK, generator=gen)[:resident]
-        row = torch.cat([chosen_misses, chosen_hits, chosen_resident])
-        positions[t] = row[torch.randperm(topk, generator=gen)]
+        for first in range(m * tokens_per_request, (m + 1) * tokens_per_request, 256):
+            n = min(256, (m + 1) * tokens_per_request - first)
+            row = torch.cat(
+                [distinct(candidates, n, misses), distinct(held, n, hits), distinct(resident_values, n, resident)],
+                dim=1,
+            )
+            order = torch.rand((n, topk), generator=gen).argsort(dim=1)
+            positions[first : first + n] = row.gather(1, order)
     # Staging for what cannot stay in the hot buffer: a step's distinct misses beyond its free slots.
     # (distinct positions - hot rows bounds the distinct misses beyond the eligible slots.)
     distinct = torch.tensor([torch.unique(positions[token_requests == m]).numel() for m in range(requests)])
@@ -99,10 +122,8 @@ def resolution_case(
     on_resident = positions >= host_positions
     resident_row = 1 + token_requests.unsqueeze(1) * resident_pages * BLOCK + (positions - host_positions)
     rows = torch.where(on_resident, resident_row, 0)
-    kv_rows = torch.randint(0, 256, (num_rows, row_bytes), dtype=torch.uint8, generator=gen)
-    host_rows = torch.randint(
-        0, 256, (requests * host_positions, row_bytes), dtype=torch.uint8, generator=gen
-    )
+    kv_rows = distinct_rows(num_rows, row_bytes, gen)
+    host_rows = distinct_rows(requests * host_positions, row_bytes, gen)
     if row_bytes == ROW_BYTES["bf16"]:
         kv_rows, host_rows = kv_rows.view(torch.bfloat16), host_rows.view(torch.bfloat16)
     return ResolutionCase(
