@@ -104,10 +104,8 @@ def resolution_case(
         candidates = torch.nonzero(not_held).squeeze(1)
         for first in range(m * tokens_per_request, (m + 1) * tokens_per_request, 256):
             n = min(256, (m + 1) * tokens_per_request - first)
-            row = torch.cat(
-                [distinct(candidates, n, misses), distinct(held, n, hits), distinct(resident_values, n, resident)],
-                dim=1,
-            )
+            draws = [distinct(candidates, n, misses), distinct(held, n, hits)]
+            row = torch.cat([*draws, distinct(resident_values, n, resident)], dim=1)
             order = torch.rand((n, topk), generator=gen).argsort(dim=1)
             positions[first : first + n] = row.gather(1, order)
     # Staging for what cannot stay in the hot buffer: a step's distinct misses beyond its free slots.

@@ -49,11 +49,17 @@ def test_hisparse_is_off_by_default(parser):
     assert AttentionConfig().hisparse_config is None
 
 
+POOL_RANGE = "hisparse_config.host_pool_gib must be > 0 and at most 1048576"
+
+
 @pytest.mark.parametrize(
     ("value", "named"),
     [
-        ({"host_pool_gib": -1}, "hisparse_config.host_pool_gib must be > 0 (got -1"),
-        ({"host_pool_gib": 0}, "hisparse_config.host_pool_gib must be > 0 (got 0"),
+        ({"host_pool_gib": -1}, f"{POOL_RANGE} (got -1"),
+        ({"host_pool_gib": 0}, f"{POOL_RANGE} (got 0"),
+        ({"host_pool_gib": float("inf")}, f"{POOL_RANGE} (got inf"),
+        ({"host_pool_gib": float("nan")}, f"{POOL_RANGE} (got nan"),
+        ({"host_pool_gib": 1e308}, f"{POOL_RANGE} (got 1e+308"),
         ({"host_pool_gib": 8, "device_buffer_size": 0}, "hisparse_config.device_buffer_size must be >= 1"),
         ({"device_buffer_size": 0}, "hisparse_config.device_buffer_size must be >= 1"),
         ({"device_buffer_size": 512}, "hisparse_config.host_pool_gib\n  Field required"),
@@ -166,7 +172,7 @@ def test_vllm_serve_rejects_a_bad_hisparse_config_before_loading_anything():
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "hisparse_config.host_pool_gib must be > 0 (got -1" in done.stderr
+    assert f"{POOL_RANGE} (got -1" in done.stderr
 
 
 def speculative_engine_config(model_dir: Path, speculative_config: dict):
@@ -345,4 +351,13 @@ def test_startup_names_an_index_topk_of_zero_plainly(tiny_glm_dsa_dir):
         EngineArgs(
             model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, hf_overrides={"index_topk": 0},
             attention_config={"hisparse_config": {"host_pool_gib": 1}},
+        ).create_engine_config()
+
+
+def test_startup_refuses_a_hot_buffer_larger_than_any_context(tiny_glm_dsa_dir):
+    # Hot rows past a request's whole context are never used; an absurd size is a typo.
+    with pytest.raises(ValueError, match=r"device_buffer_size is 100000 rows, more than .* at most 2048"):
+        EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, max_model_len=2048,
+            attention_config={"hisparse_config": {"host_pool_gib": 1, "device_buffer_size": 100000}},
         ).create_engine_config()

@@ -496,3 +496,21 @@ def test_the_plan_reports_what_hisparses_kv_cache_groups_cost_the_device(preset)
     assert f"hold {hybrid.device_tokens:,} tokens where upstream's (1) hold {none.device_tokens:,}" in note
     assert 0 < hybrid.device_tokens < none.device_tokens
     assert len(hybrid.group_layers) > 1 == len(none.group_layers)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--session-tokens", "0"), ("--session-tokens", "-5"), ("--gpu-memory-utilization", "1.5"),
+        ("--gpu-memory-utilization", "0"), ("--gpu-memory-gib", "inf"), ("--gpu-memory-gib", "nan"),
+        ("--tensor-parallel-size", "0"), ("--overhead-gib", "-1"), ("--max-num-seqs", "0"),
+    ],
+)
+def test_the_planner_refuses_impossible_arguments_naming_the_flag(flag, value, capsys):
+    from vllm.v1.hisparse.capacity import planner
+
+    with pytest.raises(SystemExit) as exited:
+        planner.argument_parser().parse_args(["--model", "glm-5.3", flag, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and "is outside" in err

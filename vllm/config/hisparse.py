@@ -34,6 +34,9 @@ GiB = 1 << 30
 # Page geometry of the sparse-MLA KV cache: the CUDA sparse-MLA backends of
 # vLLM 0.29.0 use 64-token blocks, and a HiSparse page is one such block.
 SPARSE_MLA_PAGE_TOKENS = 64
+# No host has a pebibyte of RAM: a larger (or non-finite) host_pool_gib is a typo, refused
+# while parsing; start-up then checks the pool against the host's own memory.
+MAX_HOST_POOL_GIB = 1 << 20
 # Bytes per token of one layer in the fp8_ds_mla cache layout (FlashMLA): 512 fp8
 # latent values, 4 float32 scales and 64 bf16 rope values.
 FP8_SPARSE_MLA_BYTES_PER_TOKEN = 512 + 4 * 4 + 64 * 2
@@ -113,10 +116,11 @@ class HiSparseConfig:
     @field_validator("host_pool_gib")
     @classmethod
     def validate_host_pool_gib(cls, value: float) -> float:
-        if not value > 0:
+        if not 0 < value <= MAX_HOST_POOL_GIB:
             raise ValueError(
-                f"hisparse_config.host_pool_gib must be > 0 (got {value}); set it to the "
-                "host memory in GiB HiSparse may use, e.g. 384"
+                f"hisparse_config.host_pool_gib must be > 0 and at most {MAX_HOST_POOL_GIB} (got "
+                f"{value}); set it to the host memory in GiB HiSparse may use, e.g. 384 (start-up "
+                "checks that the host has it)"
             )
         return value
 
@@ -256,6 +260,14 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             "config.json (or --hf-overrides), or remove hisparse_config"
         )
     default = default_hot_buffer_rows(vllm_config, topk)
+    longest = max(vllm_config.model_config.max_model_len, default)
+    if hisparse.device_buffer_size is not None and hisparse.device_buffer_size > longest:
+        raise ValueError(
+            f"hisparse_config.device_buffer_size is {hisparse.device_buffer_size} rows, more than "
+            f"{model} can ever select (max_model_len {vllm_config.model_config.max_model_len}, "
+            f"default {default}): hot rows past a request's whole context are never used. Set it "
+            f"at most {longest}, or leave it unset for the default {default}"
+        )
     if hisparse.device_buffer_size is None:
         hisparse.device_buffer_size = default
     elif hisparse.device_buffer_size < topk:

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -1212,6 +1213,29 @@ def _human_int(text: str) -> int:
     return human_readable_int(text)
 
 
+def _bounded(parse, low: float, high: float = math.inf, low_open: bool = True):
+    """An argparse type: `parse`, then a finite value in (low, high] ([low, high] when not
+    `low_open`), or the flag's error names the range."""
+
+    def bounded(text: str):
+        try:
+            value = parse(text)
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number ({error})") from None
+        above = value > low if low_open else value >= low
+        if not (above and value <= high and math.isfinite(value)):
+            left, right = "(" if low_open else "[", f"{high:g}]" if math.isfinite(high) else "inf)"
+            raise argparse.ArgumentTypeError(f"{text!r} is outside {left}{low:g}, {right}")
+        return value
+
+    bounded.__name__ = getattr(parse, "__name__", "number")
+    return bounded
+
+
+_POSITIVE_INT = _bounded(_human_int, 0)
+_POSITIVE = _bounded(float, 0)
+
+
 def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vllm.v1.hisparse.capacity plan",
@@ -1236,15 +1260,20 @@ def argument_parser() -> argparse.ArgumentParser:
         f"cache, or a preset: {', '.join(PRESETS)} (GLM-5.3's shapes; glm-5: transformers' "
         "GlmMoeDsaConfig defaults)",
     )
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--max-model-len", type=_human_int, help="as vllm serve (default: the config's)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_bounded(int, 0), default=1)
+    parser.add_argument("--max-model-len", type=_POSITIVE_INT, help="as vllm serve (default: the config's)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as vllm serve: auto, fp8, fp8_ds_mla, ...")
-    parser.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB, e.g. 141 (H200)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    parser.add_argument("--gpu-memory-gib", type=_POSITIVE, help="memory of one GPU in GiB, e.g. 141 (H200)")
     parser.add_argument(
-        "--kv-cache-memory-bytes", type=_human_int, help="KV cache memory per GPU, exactly (as vllm serve)"
+        "--gpu-memory-utilization", type=_bounded(float, 0, 1), default=DEFAULT_GPU_MEMORY_UTILIZATION
     )
-    parser.add_argument("--weights-gib", type=float, help="weights per GPU in GiB instead of the estimate")
+    parser.add_argument(
+        "--kv-cache-memory-bytes", type=_POSITIVE_INT,
+        help="KV cache memory per GPU, exactly (as vllm serve)",
+    )
+    parser.add_argument(
+        "--weights-gib", type=_POSITIVE, help="weights per GPU in GiB instead of the estimate"
+    )
     parser.add_argument(
         "--weights-dtype",
         default="auto",
@@ -1252,7 +1281,7 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--overhead-gib",
-        type=float,
+        type=_bounded(float, 0, low_open=False),
         default=DEFAULT_OVERHEAD_GIB,
         help="per-GPU allowance besides the weights: activation peak, CUDA graphs, NCCL, slack "
         f"(default {DEFAULT_OVERHEAD_GIB:g})",
@@ -1267,25 +1296,27 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-transfer-config", help="as vllm serve (OffloadingConnector)")
     parser.add_argument(
         "--kv-offloading-size",
-        type=float,
+        type=_POSITIVE,
         help="as vllm serve: an OffloadingConnector with this many GiB of host memory",
     )
     parser.add_argument(
         "--offload-baseline-gib",
-        type=float,
+        type=_POSITIVE,
         help="host GiB of the offload configuration's tier (default: HiSparse pool + connector tier)",
     )
     parser.add_argument("--speculative-config", help='as vllm serve, e.g. \'{"method":"mtp",...}\'')
     parser.add_argument("--hf-overrides", help="as vllm serve: JSON overriding config.json")
-    parser.add_argument("--max-num-batched-tokens", type=_human_int, help="default: vllm serve's on the GPU")
-    parser.add_argument("--max-num-seqs", type=int, help="default: vllm serve's on the GPU")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_POSITIVE_INT, help="default: vllm serve's on the GPU"
+    )
+    parser.add_argument("--max-num-seqs", type=_bounded(int, 0), help="default: vllm serve's on the GPU")
     parser.add_argument(
         "--attention-backend",
         help=f"sparse-MLA backend that sets the fp8 layout (default {DEFAULT_SPARSE_MLA_BACKEND})",
     )
     parser.add_argument(
         "--session-tokens",
-        type=_human_int,
+        type=_POSITIVE_INT,
         default=DEFAULT_SESSION_TOKENS,
         help=f"context of one session (default {DEFAULT_SESSION_TOKENS:,}: the announcement's admission "
         "limit)",

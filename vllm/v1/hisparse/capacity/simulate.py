@@ -873,13 +873,17 @@ def argument_parser() -> argparse.ArgumentParser:
         help="comma-separated concurrent sessions of the mix (default: 32, or --concurrency's "
         "values with --workload mix)",
     )
-    group.add_argument("--turns", type=int, default=None, help="turns per session (default 13; --quick 3)")
     group.add_argument(
-        "--long-sessions", type=int, default=1, help="1M-token sessions in the mix (default 1)"
+        "--turns", type=planner._bounded(int, 0), default=None,
+        help="turns per session (default 13; --quick 3)",
+    )
+    group.add_argument(
+        "--long-sessions", type=planner._bounded(int, 0, low_open=False), default=1,
+        help="1M-token sessions in the mix (default 1)",
     )
     group.add_argument(
         "--long-session-tokens",
-        type=planner._human_int,
+        type=planner._POSITIVE_INT,
         default=1_000_000,
         help="prompt tokens of a long session (default 1,000,000)",
     )
@@ -896,7 +900,7 @@ def argument_parser() -> argparse.ArgumentParser:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument(
         "--jobs",
-        type=int,
+        type=planner._bounded(int, 0),
         default=min(2, os.cpu_count() or 1),
         help="simulations run side by side, one process each (default: 2, or 1 on one core); "
         "1 gives the scheduler's CPU time without a neighbour",
