@@ -158,3 +158,67 @@ def test_a_name_left_by_a_creator_that_died_is_stale_and_a_locked_one_is_not(shm
 )
 def test_ranks_are_placed_by_the_node_they_run_on(nodes, rank, expected):
     assert place_ranks(nodes, rank) == expected
+
+
+def test_the_sweep_never_follows_a_link_nor_removes_what_is_not_a_pool_of_this_user(shm_dir, tmp_path):
+    # A name of the pool's pattern that is a symbolic link (to a file the sweep must never
+    # open for writing or remove), and one that is a directory: both stay, as does the target.
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    link = shm_dir / "vllm_hisparse_link_dp0_n0.pool"
+    link.symlink_to(target)
+    folder = shm_dir / "vllm_hisparse_dir_dp0_n0.pool"
+    folder.mkdir()
+    try:
+        assert remove_stale_pools(shm_dir) == []
+        assert link.is_symlink() and target.read_bytes() == b"keep" and folder.is_dir()
+    finally:
+        folder.rmdir()
+
+
+def test_a_pools_name_is_locked_before_it_is_visible(shm_dir, monkeypatch):
+    # A peer sweeps at the worst moment: just before the creator takes its lock on the file
+    # it made. The sweep must find the rendezvous name absent or locked, never stale; the
+    # pool is made, and the staging name it was made under is gone.
+    path = shm_dir / "vllm_hisparse_race_dp0_n0.pool"
+    swept: list[list[Path]] = []
+    flock = fcntl.flock
+
+    def sweep_then_flock(fd, operation):
+        if operation == fcntl.LOCK_SH and not swept:  # the creator's lock
+            monkeypatch.setattr(fcntl, "flock", flock)  # the sweep's own locks run as usual
+            swept.append(remove_stale_pools(shm_dir))
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", sweep_then_flock)
+    memories = start_ranks(path, 2)
+    assert all(isinstance(m, HostPoolMemory) for m in memories), memories
+    assert swept == [[]], "nothing the creator was making looked stale"
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_a_creator_refused_for_a_taken_name_leaves_that_name_alone(shm_dir):
+    # Another engine with the same id is starting: its name stays (a failed creator removes
+    # only what it made).
+    path = shm_dir / "vllm_hisparse_same_dp0_n0.pool"
+    path.write_bytes(b"\0" * 4096)
+    holder = os.open(path, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        results = start_ranks(path, 2)
+        assert isinstance(results[0], HostPoolMemoryError) and "same id" in str(results[0])
+        assert path.exists(), "the other engine's name stays"
+        assert sorted(p.name for p in shm_dir.iterdir()) == [path.name]
+    finally:
+        os.close(holder)
+
+
+def test_a_stale_pool_is_removed_before_the_ram_check_it_would_fail(shm_dir, monkeypatch):
+    # A pool a crash left behind holds RAM; the next start removes it before checking RAM,
+    # so a check that fails still leaves the node clean for the start after.
+    stale = shm_dir / "vllm_hisparse_dead_dp0_n0.pool"
+    stale.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda *args: 0)
+    results = start_ranks(shm_dir / "vllm_hisparse_next_dp0_n0.pool", 2)
+    assert isinstance(results[0], HostPoolMemoryError) and "are available" in str(results[0])
+    assert not stale.exists()

@@ -2,21 +2,27 @@
 """The memory behind the Hybrid HiSparse host pool: one mapping of exactly its size.
 
 Owns allocating and releasing the host pool buffer of one node:
-- before anything is mapped, the bytes wanted are checked against the host RAM
-  available now (`MemAvailable`); a pool that does not fit fails at start-up
-  naming `host_pool_gib`, the bytes wanted and the bytes available;
+- before anything is mapped, pools a crash left behind are removed, then the bytes
+  wanted are checked against the host RAM available now: `MemAvailable`, or the
+  headroom of this process's memory cgroups (a container's limit) if less; a pool
+  that does not fit fails at start-up naming `host_pool_gib`, the bytes wanted and
+  the bytes available, instead of an OOM kill;
 - the buffer is one mapping of exactly that many bytes (the kernel rounds to its
   page size only), never torch's caching host allocator, which rounds a pinned
   allocation up to a power of two;
 - a rank alone on its node maps private anonymous memory. Ranks that share the
   node (tensor parallelism: every rank holds the same MLA latent cache) map one
-  shared region instead (`PoolShare`): its creator makes
-  /dev/shm/vllm_hisparse_<engine>_dp<rank>_n<node>.pool, reserves its pages
-  (tmpfs then cannot run out under a running engine), the others map it, and
-  the creator removes the name at once, so no exit, a killed process included,
-  can leave it behind. A name whose creator died before that (a crash during
-  start-up) is stale: nothing holds its lock, and the next creator on the node
-  removes it;
+  shared region instead (`PoolShare`): its creator makes it under a private
+  staging name, locks it, reserves its pages (tmpfs then cannot run out under a
+  running engine) and only then links it to
+  /dev/shm/vllm_hisparse_<engine>_dp<rank>_n<node>.pool, so the name is never
+  visible unlocked; the others map it, and the creator removes the name at once,
+  so no exit, a killed process included, can leave it behind. A name whose
+  creator died before that (a crash during start-up) is stale: nothing holds its
+  lock, and the next creator on the node removes it, never through a symbolic
+  link and only a regular file of its own user;
+- the mapping is kept out of core dumps (`MADV_DONTDUMP`: it holds every user's
+  prompt KV);
 - on CUDA each rank registers its mapping with `cudaHostRegister` (mapped:
   kernels read it through its device address; portable: every device may use
   it), so it is pinned memory to torch and to the HiSparse kernels; on CPU the
@@ -32,6 +38,7 @@ import fcntl
 import math
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,13 +102,20 @@ def remove_stale_pools(directory: Path = SHARED_POOL_DIR) -> list[Path]:
     removed = []
     for path in sorted(directory.glob(f"{SHARED_POOL_PREFIX}*{SHARED_POOL_SUFFIX}")):
         try:
-            fd = os.open(path, os.O_RDWR)
+            # Never through a symbolic link, and only a regular file of this user's.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            continue  # removed meanwhile, or not ours to open
+            continue  # removed meanwhile, a link, or not ours to open
         try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The name still names the file locked here (not one made since).
+            if os.lstat(path).st_ino != info.st_ino:
+                continue
         except OSError:
-            continue  # a live engine is starting with it
+            continue  # a live engine is starting with it, or the name went meanwhile
         finally:
             os.close(fd)
         path.unlink(missing_ok=True)
@@ -120,16 +134,85 @@ def _setting(host_pool_gib: float | None) -> str:
     return "the host pool" if host_pool_gib is None else f"hisparse_config.host_pool_gib={host_pool_gib}"
 
 
-def available_host_bytes() -> int:
-    """Host RAM that can be allocated now without swapping (Linux `MemAvailable`)."""
+def available_host_bytes(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int:
+    """Host RAM that can be allocated now without swapping or an OOM kill: Linux's
+    `MemAvailable`, or less where this process's memory cgroup (a container's limit) has
+    less headroom left (`cgroup_memory_headroom`)."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = cgroup_memory_headroom(cgroup_root, proc_cgroup)
+    return available if headroom is None else min(available, headroom)
+
+
+def _read_int(path: Path) -> int | None:
+    """An integer file of the cgroup tree; None when absent, unreadable or "max" (no limit)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_memory_headroom(cgroup_root: Path, proc_cgroup: Path) -> int | None:
+    """Bytes this process's memory cgroups let it add before their limit (the smallest over
+    its cgroup and every ancestor: cgroup v2 `memory.max` - `memory.current`; v1
+    `memory.limit_in_bytes` - `memory.usage_in_bytes`); None when no limit applies or the
+    tree cannot be read. Pages of a /dev/shm pool are charged there too."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    headroom = None
+    for line in lines:
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":  # cgroup v2
+            base, limit_name, usage_name = cgroup_root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # cgroup v1
+            base = cgroup_root / "memory"
+            limit_name, usage_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        group = base / path.lstrip("/")
+        while True:
+            limit, usage = _read_int(group / limit_name), _read_int(group / usage_name)
+            # v1 reports "no limit" as a huge page-aligned number, above any host's RAM.
+            if limit is not None and usage is not None and limit < 1 << 60:
+                room = max(limit - usage, 0)
+                headroom = room if headroom is None else min(headroom, room)
+            if group == base or base not in group.parents:
+                break
+            group = group.parent
+    return headroom
+
+
+def _advise(mapping: mmap.mmap) -> tuple[str, ...]:
+    """Advice the kernel took for the pool's mapping: never into a core dump (it holds every
+    user's prompt KV); advice a kernel does not support is skipped. Not MADV_HUGEPAGE:
+    with the common `defrag=madvise` setting it compacts memory on every fault, and a 1 GiB
+    pool took 3.6 s to fault in with it against 0.6-0.8 s without (measured on the CPU test
+    bed), which at 384 GiB would add minutes to start-up, when cudaHostRegister faults it in."""
+    taken = []
+    for constant, name in (("MADV_DONTDUMP", "dontdump"),):
+        advice = getattr(mmap, constant, None)
+        if advice is None:
+            continue
+        try:
+            mapping.madvise(advice)
+        except OSError:
+            continue
+        taken.append(name)
+    return tuple(taken)
 
 
 class HostPoolMemory:
@@ -155,6 +238,7 @@ class HostPoolMemory:
             raise ValueError(f"host pool shape {shape} holds no bytes")
         share = share if share is not None else PoolShare.alone()
         self._mapping = self._map(share, host_pool_gib)
+        self.advice = _advise(self._mapping)
         flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=self.nbytes)
         self.tensor = flat.view(dtype).view(shape)
         self.shared = share.path is not None
@@ -178,6 +262,9 @@ class HostPoolMemory:
         failure: BaseException | None = None
         try:
             if share.creator:
+                if share.path is not None:
+                    # A pool a crash left behind holds RAM the check below would count as used.
+                    remove_stale_pools(share.path.parent)
                 self._check_ram(host_pool_gib)
                 if share.path is None:
                     # Private anonymous memory, like any large host allocation (not shmem-backed).
@@ -228,7 +315,6 @@ class HostPoolMemory:
             )
 
     def _create_region(self, path: Path, host_pool_gib: float | None) -> int:
-        remove_stale_pools(path.parent)
         free = shared_memory_free_bytes(path.parent)
         if self.nbytes > free:
             raise HostPoolMemoryError(
@@ -237,27 +323,34 @@ class HostPoolMemory:
                 f"container more shared memory (docker run --ipc=host, or --shm-size) or lower "
                 f"host_pool_gib"
             )
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            raise HostPoolMemoryError(
-                f"Hybrid HiSparse: {path} belongs to an engine starting now with the same id; "
-                f"two engines cannot share one engine id"
-            ) from None
+        # Made under a name no sweep matches, locked and reserved there, then linked to its
+        # rendezvous name: the name is never visible unlocked, so a peer's sweep cannot
+        # take it for stale.
+        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             # Reserve every page now: tmpfs grows on demand, and a full /dev/shm would
             # otherwise end a running engine with SIGBUS on its first write past it.
             os.posix_fallocate(fd, 0, self.nbytes)
+            try:
+                os.link(staging, path)
+            except FileExistsError:
+                raise HostPoolMemoryError(
+                    f"Hybrid HiSparse: {path} belongs to an engine starting now with the same id; "
+                    f"two engines cannot share one engine id"
+                ) from None
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
             raise
+        finally:
+            staging.unlink(missing_ok=True)
         return fd
 
     @staticmethod
     def _give_up(share: PoolShare, fd: int | None, mapping: mmap.mmap | None) -> None:
-        if share.creator and share.path is not None:
+        # Only a name this rank made goes (one an engine with the same id made stays).
+        if share.creator and share.path is not None and fd is not None:
             share.path.unlink(missing_ok=True)
         if mapping is not None:
             mapping.close()
