@@ -7,7 +7,10 @@ request goes to the decode instance (a `kv_consumer`), which loads that KV
 cache instead of computing the prompt, and its answer (streamed or not) goes
 back to the client. A client's own `kv_transfer_params` are dropped: they would
 tell the decode instance which peer to read KV from, so only the prefill
-instance's answer sets them. A body that is not a JSON object is refused (400).
+instance's answer sets them, and the proxy signs them with the secret it shares
+with the decode instances (VLLM_HISPARSE_PD_SECRET, or --secret-file): a KV
+consumer of this distribution refuses a remote prefill that is not signed so
+(docs/deploy.md, "Trust model"). A body that is not a JSON object is refused (400).
 With ExampleConnector both instances name the same
 `shared_storage_path` and nothing else needs to pass between them. For
 connectors that pull the KV cache from the prefill instance (NixlConnector),
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -42,7 +46,27 @@ def _post(url: str, body: bytes):
     return urllib.request.urlopen(request, timeout=TIMEOUT_S)
 
 
-def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
+def _trust():
+    """vllm/v1/hisparse/trust.py (standard library only): from this checkout when the script
+    runs from one, else from the installed distribution."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "vllm", "v1", "hisparse", "trust.py")
+    if not os.path.exists(path):
+        from vllm.v1.hisparse import trust
+
+        return trust
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hisparse_trust", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_handler(prefill: str, decode: str, secret: bytes | None = None) -> type[BaseHTTPRequestHandler]:
+    """`secret`: shared with the decode instances; signs the kv_transfer_params they get."""
+    trust = _trust() if secret is not None else None
+
     class ProxyHandler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -93,6 +117,8 @@ def make_handler(prefill: str, decode: str) -> type[BaseHTTPRequestHandler]:
                 with _post(prefill + self.path, json.dumps(prefill_request).encode()) as response:
                     prefilled = json.loads(response.read())
                 params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
+                if params and trust is not None and isinstance(params, dict):
+                    params = trust.sign(params, secret)
                 decode_request = dict(request, kv_transfer_params=params) if params else request
                 with _post(decode + self.path, json.dumps(decode_request).encode()) as response:
                     self._relay(response)
@@ -121,8 +147,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--prefill", required=True, help="base URL of the prefill (kv_producer) instance")
     parser.add_argument("--decode", required=True, help="base URL of the decode (kv_consumer) instance")
+    parser.add_argument(
+        "--secret-file",
+        help="file holding the secret shared with the decode instances (default: the "
+        "VLLM_HISPARSE_PD_SECRET environment variable)",
+    )
     args = parser.parse_args(argv)
-    handler = make_handler(args.prefill.rstrip("/"), args.decode.rstrip("/"))
+    trust = _trust()
+    try:
+        if args.secret_file:
+            with open(args.secret_file) as f:
+                secret = trust.secret_from_env({trust.SECRET_ENV: f.read().strip()})
+        else:
+            secret = trust.secret_from_env()
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    if secret is None:
+        print(
+            f"pd_proxy: no shared secret ({trust.SECRET_ENV} or --secret-file): decode instances "
+            "that pull KV cache from the prefill instance will refuse its requests",
+            file=sys.stderr,
+            flush=True,
+        )
+    handler = make_handler(args.prefill.rstrip("/"), args.decode.rstrip("/"), secret)
     server = ThreadingHTTPServer((args.host, args.port), handler)
     print(f"pd_proxy: listening on http://{args.host}:{args.port}", flush=True)
     try:

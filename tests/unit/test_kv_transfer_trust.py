@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Only the trusted P/D proxy may make a KV consumer read KV cache from a peer.
+
+`vllm.v1.hisparse.trust` checks a request's kv_transfer_params where vLLM validates its
+sampling parameters: a remote prefill on a KV consumer needs the proxy's signature, made
+with the secret both share, unexpired and used once. The proxy of scripts/pd_proxy.py
+signs what it sends; here its signature is checked by the consumer's own function.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.v1.hisparse import trust
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+PARAMS = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-0",
+    "remote_host": "10.0.0.2", "remote_port": 5600, "remote_block_ids": [[1, 2, 3]],
+    "remote_request_id": "r-1",
+}  # fmt: skip
+CONSUMER = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=True))
+PRODUCER = SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=False))
+NO_CONNECTOR = SimpleNamespace(kv_transfer_config=None)
+
+
+def fresh() -> trust._UsedSignatures:
+    return trust._UsedSignatures()
+
+
+def test_signed_params_pass_once_and_reach_the_connector_without_the_signature():
+    signed = trust.sign(PARAMS, SECRET, now=1000.0)
+    used = fresh()
+    checked = dict(signed)
+    trust.verify(checked, SECRET, now=1001.0, used=used)
+    assert checked == PARAMS
+    # The same signature a second time: refused (one read per signature).
+    with pytest.raises(trust.UntrustedKVTransfer, match="already used"):
+        trust.verify(dict(signed), SECRET, now=1002.0, used=used)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: p.update(remote_host="10.6.6.6"),
+        lambda p: p.update(remote_block_ids=[[-5, 123456]]),
+        lambda p: p.update(hisparse_proxy_expires=p["hisparse_proxy_expires"] + 1),
+        lambda p: p.pop("remote_request_id"),
+    ],
+    ids=["host", "block-ids", "expiry", "field-removed"],
+)
+def test_a_changed_field_breaks_the_signature(change):
+    signed = trust.sign(PARAMS, SECRET, now=1000.0)
+    change(signed)
+    with pytest.raises(trust.UntrustedKVTransfer, match="signature this instance does not accept"):
+        trust.verify(signed, SECRET, now=1001.0, used=fresh())
+
+
+def test_another_secret_an_unsigned_body_and_no_secret_are_refused():
+    with pytest.raises(trust.UntrustedKVTransfer, match="differs"):
+        trust.verify(trust.sign(PARAMS, b"another secret of 32 bytes......", now=1000.0), SECRET,
+                     now=1001.0, used=fresh())  # fmt: skip
+    with pytest.raises(trust.UntrustedKVTransfer, match="no signature"):
+        trust.verify(dict(PARAMS), SECRET, now=1001.0, used=fresh())
+    with pytest.raises(trust.UntrustedKVTransfer, match=trust.SECRET_ENV):
+        trust.verify(trust.sign(PARAMS, SECRET, now=1000.0), None, now=1001.0, used=fresh())
+
+
+def test_an_expired_or_far_future_signature_is_refused():
+    with pytest.raises(trust.UntrustedKVTransfer, match="expired"):
+        trust.verify(trust.sign(PARAMS, SECRET, now=1000.0), SECRET, now=1000.0 + 301, used=fresh())
+    with pytest.raises(trust.UntrustedKVTransfer, match="expired"):
+        trust.verify(trust.sign(PARAMS, SECRET, valid_s=10 * trust.MAX_VALID_S, now=1000.0), SECRET,
+                     now=1001.0, used=fresh())  # fmt: skip
+
+
+def test_a_short_secret_is_refused_and_an_empty_one_is_none():
+    with pytest.raises(trust.UntrustedKVTransfer, match="at least 16"):
+        trust.secret_from_env({trust.SECRET_ENV: "short"})
+    assert trust.secret_from_env({trust.SECRET_ENV: ""}) is None
+    assert trust.secret_from_env({trust.SECRET_ENV: SECRET.decode()}) == SECRET
+
+
+def test_only_a_consumer_checks_and_only_a_remote_prefill(monkeypatch):
+    monkeypatch.delenv(trust.SECRET_ENV, raising=False)
+    hostile = {"kv_transfer_params": dict(PARAMS)}
+    with pytest.raises(trust.UntrustedKVTransfer, match=trust.SECRET_ENV):
+        trust.check_params(CONSUMER, hostile)
+    # A producer or an instance without a connector does not act on do_remote_prefill.
+    trust.check_params(PRODUCER, {"kv_transfer_params": dict(PARAMS)})
+    trust.check_params(NO_CONNECTOR, {"kv_transfer_params": dict(PARAMS)})
+    # A remote decode (what the proxy asks of a prefill instance) steers no read.
+    trust.check_params(CONSUMER, {"kv_transfer_params": {"do_remote_decode": True}})
+    trust.check_params(CONSUMER, None)
+    with pytest.raises(trust.UntrustedKVTransfer, match="JSON object"):
+        trust.check_params(CONSUMER, {"kv_transfer_params": [1, 2]})
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET.decode())
+    args = {"kv_transfer_params": trust.sign(PARAMS, SECRET)}
+    trust.check_params(CONSUMER, args)
+    assert args["kv_transfer_params"] == PARAMS
+
+
+def test_vllm_answers_a_refusal_as_a_validation_error_naming_the_field(monkeypatch):
+    from vllm.exceptions import VLLMClientError
+
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET.decode())
+    with pytest.raises(VLLMClientError, match="kv_transfer_params") as refused:
+        trust.check_kv_transfer_params(CONSUMER, {"kv_transfer_params": dict(PARAMS)})
+    assert "no signature" in str(refused.value)
+
+
+def test_the_proxy_signs_what_the_decode_instance_gets_with_the_shared_secret():
+    from http.server import ThreadingHTTPServer
+
+    import pd_proxy
+    from test_pd_proxy import Instance, post
+
+    prefill = Instance({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+    decode = Instance({"choices": [{"text": "ok"}]})
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), pd_proxy.make_handler(prefill.url, decode.url, SECRET))
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        status, _ = post(f"http://127.0.0.1:{proxy.server_port}", json.dumps({"prompt": "hi"}).encode())
+    finally:
+        for server in (prefill.server, decode.server, proxy):
+            server.shutdown()
+    assert status == 200
+    (sent,) = decode.bodies
+    params = sent["kv_transfer_params"]
+    assert trust.MAC_FIELD in params
+    trust.verify(params, SECRET, used=fresh())
+    assert params == PARAMS

@@ -1,0 +1,165 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Who may make a decode instance read KV cache from a peer.
+
+A request's `kv_transfer_params` with `do_remote_prefill` tell a KV consumer
+which peer to read its prompt's KV cache from (host, port, engine, block ids).
+Whoever can set them can make the instance connect to a host of their choice,
+hold blocks, a hot lease and host pages while it waits, and publish KV cache
+they supplied to the prefix cache and the host pool, where other users'
+requests with the same prefix would reuse it. Only the P/D proxy, which builds
+them from the prefill instance's answer, may set them.
+
+The proxy and every KV consumer share a secret (`SECRET_ENV`). The proxy signs
+the parameters it sends (`sign`): an HMAC-SHA256 over their canonical JSON,
+with an expiry. A KV consumer's front end checks them before a request exists
+(`check_kv_transfer_params`, called where vLLM validates sampling parameters):
+without a valid, unexpired, unused signature the request is refused with a
+400 answer and nothing is held. A consumer without the secret refuses every
+remote prefill, naming the setting.
+
+Parameters without `do_remote_prefill` (a producer's `do_remote_decode`, or
+none at all) are not checked here: they steer no read from a peer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+SECRET_ENV = "VLLM_HISPARSE_PD_SECRET"
+MAC_FIELD = "hisparse_proxy_mac"
+EXPIRES_FIELD = "hisparse_proxy_expires"
+# How long a signature is valid: the decode call follows the prefill answer at once.
+DEFAULT_VALID_S = 300.0
+# The longest validity a consumer accepts (a signature cannot be made to last forever).
+MAX_VALID_S = 3600.0
+MIN_SECRET_BYTES = 16
+
+
+class UntrustedKVTransfer(ValueError):
+    """kv_transfer_params that did not come from a trusted proxy (a 400 answer)."""
+
+
+def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The shared secret, or None when it is not set. A secret shorter than
+    MIN_SECRET_BYTES is refused: it could be guessed."""
+    value = (os.environ if environ is None else environ).get(SECRET_ENV, "")
+    if not value:
+        return None
+    secret = value.encode()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise UntrustedKVTransfer(
+            f"{SECRET_ENV} is {len(secret)} bytes long; use at least {MIN_SECRET_BYTES} random bytes "
+            "(for example `openssl rand -hex 32`)"
+        )
+    return secret
+
+
+def _canonical(params: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in params.items() if k != MAC_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _mac(params: Mapping[str, Any], secret: bytes) -> str:
+    return hmac.new(secret, _canonical(params), hashlib.sha256).hexdigest()
+
+
+def sign(params: Mapping[str, Any], secret: bytes, valid_s: float = DEFAULT_VALID_S,
+         now: float | None = None) -> dict[str, Any]:
+    """`params` with an expiry and the proxy's signature over both."""
+    signed = {k: v for k, v in params.items() if k not in (MAC_FIELD, EXPIRES_FIELD)}
+    signed[EXPIRES_FIELD] = (time.time() if now is None else now) + valid_s
+    signed[MAC_FIELD] = _mac(signed, secret)
+    return signed
+
+
+class _UsedSignatures:
+    """Signatures already accepted, until they expire: each opens one read only."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[str, float] = {}
+
+    def take(self, mac: str, expires: float, now: float) -> bool:
+        with self._lock:
+            if len(self._until) > 1024:
+                self._until = {m: t for m, t in self._until.items() if t >= now}
+            if mac in self._until:
+                return False
+            self._until[mac] = expires
+            return True
+
+
+_USED = _UsedSignatures()
+
+
+def verify(params: dict[str, Any], secret: bytes | None, now: float | None = None,
+           used: _UsedSignatures = _USED) -> None:
+    """Raise UntrustedKVTransfer unless `params` carry a valid, unexpired signature not
+    seen before; on success the signature fields are removed (the connector never sees them)."""
+    if secret is None:
+        raise UntrustedKVTransfer(
+            "this instance reads KV cache from a peer (do_remote_prefill) only for a trusted P/D proxy, "
+            f"and it has no shared secret: set {SECRET_ENV} to the same value on it and on "
+            "scripts/pd_proxy.py (see docs/deploy.md, 'Trust model')"
+        )
+    mac, expires = params.get(MAC_FIELD), params.get(EXPIRES_FIELD)
+    if not isinstance(mac, str) or not isinstance(expires, (int, float)) or isinstance(expires, bool):
+        raise UntrustedKVTransfer(
+            "kv_transfer_params with do_remote_prefill must come from the P/D proxy, signed with "
+            f"{SECRET_ENV}; these carry no signature"
+        )
+    try:
+        expected = _mac(params, secret)
+    except (TypeError, ValueError) as error:
+        raise UntrustedKVTransfer(f"kv_transfer_params cannot be checked: {error}") from None
+    if not hmac.compare_digest(mac, expected):
+        raise UntrustedKVTransfer(
+            "kv_transfer_params with do_remote_prefill carry a signature this instance does not "
+            f"accept: the proxy's {SECRET_ENV} differs from this instance's, or the fields were changed"
+        )
+    now = time.time() if now is None else now
+    if not now <= expires <= now + MAX_VALID_S:
+        raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill are expired (or claim "
+                                  f"to be valid for more than {MAX_VALID_S:.0f} s)")
+    if not used.take(mac, float(expires), now):
+        raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill were already used once")
+    del params[MAC_FIELD], params[EXPIRES_FIELD]
+
+
+def reads_from_peer(vllm_config: Any) -> bool:
+    """Whether this instance acts on do_remote_prefill: it has a KV connector as a consumer."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return transfer is not None and bool(getattr(transfer, "is_kv_consumer", False))
+
+
+def check_params(vllm_config: Any, extra_args: dict[str, Any] | None) -> None:
+    """A remote prefill on a KV consumer must come from the trusted proxy
+    (UntrustedKVTransfer otherwise)."""
+    if not extra_args or "kv_transfer_params" not in extra_args:
+        return
+    params = extra_args["kv_transfer_params"]
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise UntrustedKVTransfer("kv_transfer_params must be a JSON object")
+    if not params.get("do_remote_prefill") or not reads_from_peer(vllm_config):
+        return
+    verify(params, secret_from_env())
+
+
+def check_kv_transfer_params(vllm_config: Any, extra_args: dict[str, Any] | None) -> None:
+    """Where vLLM validates a request's sampling parameters: `check_params`, its refusal
+    raised as vLLM's validation error (a 400 answer naming kv_transfer_params)."""
+    try:
+        check_params(vllm_config, extra_args)
+    except UntrustedKVTransfer as error:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(str(error), parameter="kv_transfer_params") from None
