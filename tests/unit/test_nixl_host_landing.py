@@ -104,3 +104,110 @@ def test_the_null_block_is_named_only_in_the_groups_asked_about():
     blocks = ([1, 2], [NULL_BLOCK_ID, 3], [4, 5])
     assert names_null_block(blocks, (0, 1))
     assert not names_null_block(blocks, (0, 2))
+
+
+# -- peer-supplied block ids, checked before any descriptor is built ------------------
+
+
+@pytest.mark.parametrize(
+    "block_ids, problem",
+    [
+        ([[1, 2], [3, 4]], None),
+        ([[0, 11], []], None),
+        ([[1, 2]], "name 1 KV cache groups"),
+        ({"0": [1]}, "name dict KV cache groups"),
+        ([[1, 2], 5], "group 1 are not a list"),
+        ([[-5, 2], [3]], "block -5 in group 0"),
+        ([[1, 12], [3]], "block 12 in group 0"),
+        ([[1], [123456]], "block 123456 in group 1"),
+        ([[1], [True]], "block True"),
+        ([[1], ["3"]], "block '3'"),
+        ([[1], [2.0]], "block 2.0"),
+        ([[*range(12), 1], [1]], "names 13 blocks in group 0"),
+    ],
+)
+def test_a_peers_block_ids_must_lie_within_its_announced_blocks(block_ids, problem):
+    from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector import (
+        remote_block_ids_problem,
+    )
+
+    found = remote_block_ids_problem(block_ids, 2, NUM_BLOCKS)
+    assert (found is None) if problem is None else (problem in found), found
+
+
+def _worker_stand_in(dst_num_blocks, ratio=1):
+    """A HostLandingNixlWorker without NIXL: the state `_read_blocks_for_req` reads, and its
+    failure calls recorded."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector import (
+        HostLandingNixlWorker,
+    )
+
+    worker = object.__new__(HostLandingNixlWorker)
+    worker.dst_num_blocks = dst_num_blocks
+    info = SimpleNamespace(remote_physical_blocks_per_logical=ratio)
+    worker.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info)
+    worker._landings = {"req": {0: 1}}
+    worker.failures = []
+    worker._log_failure = lambda **kw: worker.failures.append(("log", kw["failure_type"], kw["msg"]))
+    worker._handle_failed_transfer = lambda req_id, handle: worker.failures.append(("failed", req_id))
+    return worker
+
+
+def _meta(remote_block_ids, num_groups=2):
+    from types import SimpleNamespace
+
+    remote = SimpleNamespace(engine_id="prefill-0", block_ids=remote_block_ids)
+    return SimpleNamespace(remote=remote, local_block_ids=[[5, 6]] * num_groups)
+
+
+def test_a_peer_naming_blocks_outside_its_handshake_fails_the_request_and_reads_nothing(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    reads = []
+    monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req",
+                        lambda self, req_id, meta: reads.append(req_id))  # fmt: skip
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS})
+    worker._read_blocks_for_req("req", _meta([[1, 2], [-5, 123456]]))
+    assert reads == []
+    assert [f[0] for f in worker.failures] == ["log", "failed"]
+    assert worker.failures[0][1] == "remote_block_ids_out_of_range" and "-5" in worker.failures[0][2]
+    assert "req" not in worker._landings, "the landing of a refused read is dropped"
+    # Physical blocks per logical block: the peer's logical count is its blocks / ratio.
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS}, ratio=4)
+    worker._read_blocks_for_req("req", _meta([[1, 2], [3, 2]]))
+    assert reads == [] and "block 3" in worker.failures[0][2]
+    # Ids within the peer's blocks: upstream's read runs.
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS})
+    worker._read_blocks_for_req("req", _meta([[1, 2], [3, 11]]))
+    assert reads == ["req"] and worker.failures == []
+
+
+def test_only_an_instance_that_reads_imports_registers_its_host_pool(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import host_landing_nixl_connector as landing
+
+    def config(role):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            is_kv_consumer=role in ("kv_consumer", "kv_both")))  # fmt: skip
+
+    assert [landing.lands_imports(config(r)) for r in ("kv_producer", "kv_consumer", "kv_both")] == [
+        False, True, True,
+    ]  # fmt: skip
+    assert not landing.lands_imports(SimpleNamespace(kv_transfer_config=None))
+    caches, regions = packed_cache(0)
+    waited = []
+    monkeypatch.setattr(landing, "when_host_pool_registered", waited.append)
+    monkeypatch.setattr(landing.NixlPullConnectorWorker, "register_kv_caches", lambda self, kv: None)
+    for role in ("kv_producer", "kv_consumer"):
+        worker = object.__new__(landing.HostLandingNixlWorker)
+        worker._group_of_landed_layer = LAYERS
+        worker._lands_imports = landing.lands_imports(config(role))
+        worker.engine_id, worker.tp_rank, worker.device_id = "e", 0, 0
+        worker.kv_caches_base_addr = {"e": {0: list(regions.bases)}}
+        worker.block_stride_per_layer = list(regions.strides)
+        worker.block_len_per_layer = list(regions.lengths)
+        worker.register_kv_caches(caches)
+    assert len(waited) == 1, "the producer never waits to register the host pool; the consumer does"

@@ -10,8 +10,12 @@ placeholders, which upstream's scheduler drops from the block lists it sends,
 so the device read covers only the tail and the indexer's pages. This class
 keeps upstream's device read and adds a second one, straight into the host
 pool:
-- worker side: the host pool is registered with NIXL as host memory (DRAM)
-  when the HiSparse worker announces it; for each request with landed pages,
+- worker side: on an instance that reads imports (kv_consumer, kv_both) the
+  host pool is registered with NIXL as host memory (DRAM) when the HiSparse
+  worker announces it; a producer never registers it. Before any read, the
+  peer's block ids are checked against the block count its handshake
+  announced (`remote_block_ids_problem`): a request naming blocks outside
+  them fails its load, and nothing is read. For each request with landed pages,
   one READ moves each landed page of each sparse-MLA layer from the remote
   block that holds it into the layer's host page (`landing_descriptors`);
 - the producer frees its blocks once every read of the request notified it:
@@ -189,6 +193,32 @@ def _descriptors(addresses: np.ndarray, length: int, device_id: int) -> np.ndarr
     return out
 
 
+def remote_block_ids_problem(block_ids: Any, num_groups: int, num_blocks: int) -> str | None:
+    """What is wrong with a peer's block ids for one request, or None: they must be one list
+    per KV cache group of this instance, each of at most `num_blocks` integers in
+    [0, num_blocks), the peer's block count from its handshake. Checked before any
+    descriptor is built, so no read reaches outside the peer's registered blocks."""
+    if not isinstance(block_ids, (list, tuple)) or len(block_ids) != num_groups:
+        got = len(block_ids) if isinstance(block_ids, (list, tuple)) else type(block_ids).__name__
+        return f"the peer's block ids name {got} KV cache groups, this instance has {num_groups}"
+    for group, ids in enumerate(block_ids):
+        if not isinstance(ids, (list, tuple)):
+            return f"the peer's block ids of group {group} are not a list"
+        if len(ids) > num_blocks:
+            return f"the peer names {len(ids)} blocks in group {group}; it has {num_blocks}"
+        for block in ids:
+            if type(block) is not int or not 0 <= block < num_blocks:
+                return f"the peer names block {block!r} in group {group}, outside its {num_blocks} blocks"
+    return None
+
+
+def lands_imports(vllm_config: Any) -> bool:
+    """Whether this instance reads imports (kv_consumer or kv_both), so needs its host pool
+    registered with NIXL to land them."""
+    transfer = vllm_config.kv_transfer_config
+    return transfer is not None and bool(transfer.is_kv_consumer)
+
+
 def names_null_block(block_ids: Sequence[Sequence[int]], group_ids: Sequence[int]) -> bool:
     """Whether a block list of one of `group_ids` holds the null block (a page not on the device)."""
     return any(NULL_BLOCK_ID in block_ids[g] for g in group_ids if g < len(block_ids))
@@ -268,6 +298,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         self._host_pages: dict[str, torch.Tensor] = {}
         # Landed pages of requests whose reads have not started (page -> host page).
         self._landings: dict[str, dict[int, int]] = {}
+        # Only an instance that reads imports (kv_consumer, kv_both) lands pages in its host
+        # pool; a producer never registers the pool, which holds every user's demoted KV.
+        self._lands_imports = lands_imports(vllm_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
@@ -280,7 +313,8 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             self.device_id,
         )
         self._landed_layers = locate_layers(kv_caches, self._group_of_landed_layer, self._local_regions)
-        when_host_pool_registered(self._register_host_pool)
+        if self._lands_imports:
+            when_host_pool_registered(self._register_host_pool)
 
     def _register_host_pool(self, layers: Mapping[str, torch.Tensor]) -> None:
         """The HiSparse worker made its host pool: register it with NIXL as host memory."""
@@ -318,6 +352,28 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         self._landings.update(getattr(metadata, "host_landing", {}))
         super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any):
+        """Upstream's reads for one request, once the peer's block ids lie within the blocks
+        its handshake announced; otherwise the request's load fails (its blocks are marked
+        invalid, as for any failed transfer) and nothing is read."""
+        remote = meta.remote
+        num_blocks = self.dst_num_blocks.get(remote.engine_id)
+        if num_blocks is not None:
+            ratio = self.transfer_topo.get_engine_info(remote.engine_id).remote_physical_blocks_per_logical
+            problem = remote_block_ids_problem(remote.block_ids, len(meta.local_block_ids),
+                                               num_blocks // max(int(ratio), 1))
+            if problem is not None:
+                self._landings.pop(req_id, None)
+                self._log_failure(
+                    failure_type="remote_block_ids_out_of_range",
+                    req_id=req_id,
+                    msg=f"Refused to read KV cache from the peer: {problem}",
+                    meta=meta,
+                )
+                self._handle_failed_transfer(req_id, None)
+                return
+        super()._read_blocks_for_req(req_id, meta)
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, remote_request_id: str,
                      local_xfer_side_handle: int, remote_xfer_side_handle: int, expected_consumers: int):
