@@ -361,3 +361,44 @@ def test_startup_refuses_a_hot_buffer_larger_than_any_context(tiny_glm_dsa_dir):
             model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, max_model_len=2048,
             attention_config={"hisparse_config": {"host_pool_gib": 1, "device_buffer_size": 100000}},
         ).create_engine_config()
+
+
+def test_startup_refuses_a_host_pool_and_an_offload_tier_that_do_not_fit_in_dev_shm_together(
+    tiny_glm_dsa_dir, monkeypatch
+):
+    """The tensor-parallel ranks' shared host pool and an OffloadingConnector's tier both live
+    in /dev/shm: start-up refuses a sum that does not fit there, naming both settings and the
+    container's shared-memory flags; each alone (or the sum where it fits) starts."""
+    import vllm.config.hisparse as hisparse_config
+
+    gib = 1 << 30
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 3 * gib}}  # fmt: skip
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [offload]}}  # fmt: skip
+
+    def config(transfer, tensor_parallel=2):
+        return EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel,
+            attention_config={"hisparse_config": {"host_pool_gib": 2}}, kv_transfer_config=transfer,
+            distributed_executor_backend="mp",
+        ).create_engine_config()  # fmt: skip
+
+    class Fs:
+        f_frsize = 4096
+
+        def __init__(self, free: int) -> None:
+            self.f_bavail = free // self.f_frsize
+
+    monkeypatch.setattr(hisparse_config.os, "statvfs", lambda path: Fs(4 * gib))
+    for transfer in (offload, multi):
+        with pytest.raises(ValueError) as refused:
+            config(transfer)
+        message = str(refused.value)
+        for named in ("host_pool_gib=2", f"cpu_bytes_to_use={3 * gib}", "5.00 GiB", "/dev/shm",
+                      "4.00 GiB free", "--shm-size", "--ipc=host"):  # fmt: skip
+            assert named in message, (named, message)
+    config(offload, tensor_parallel=1)  # one rank: its pool is private memory, not /dev/shm
+    config(None)  # the pool alone (checked where it is made)
+    monkeypatch.setattr(hisparse_config.os, "statvfs", lambda path: Fs(6 * gib))
+    config(offload)

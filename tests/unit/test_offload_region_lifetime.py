@@ -68,3 +68,57 @@ def test_a_scheduler_side_that_created_the_region_keeps_its_name(engine_id):
     worker.cleanup()
     scheduler.cleanup()
     assert not path.exists()
+
+
+# -- names a crash left behind ------------------------------------------------------
+
+
+def _age(path: Path, seconds: float) -> None:
+    import os
+    import time
+
+    then = time.time() - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
+
+
+def test_a_region_a_crash_left_is_removed_before_the_next_one_is_made(engine_id, tmp_path):
+    from vllm.v1.kv_offload.cpu import region_lifetime
+
+    stale = Path(f"/dev/shm/vllm_offload_{engine_id}-dead.mmap")
+    stale.write_bytes(b"\0" * PAGE)  # the memory of an engine killed before the name went
+    _age(stale, 2 * region_lifetime.STALE_AFTER_S)
+    try:
+        worker = region(engine_id, 0)  # another engine starts: its region sweeps first
+        assert not stale.exists(), "the stale region's name (and so its memory) was removed"
+        # The live region, old and unlocked by nobody, is held: a sweep leaves it.
+        live = Path(worker.mmap_path)
+        _age(live, 2 * region_lifetime.STALE_AFTER_S)
+        assert live not in region_lifetime.remove_stale_regions()
+        assert live.exists(), "a region a live process holds open is never swept"
+        worker.cleanup()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+def test_a_sweep_leaves_young_names_links_and_other_files_alone(tmp_path):
+    import os
+
+    from vllm.v1.hisparse.host_memory import remove_stale_names
+    from vllm.v1.kv_offload.cpu import region_lifetime
+
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    link = tmp_path / "vllm_offload_link.mmap"
+    os.symlink(target, link)
+    _age(link, 1000)
+    young = tmp_path / "vllm_offload_young.mmap"
+    young.write_bytes(b"\0")  # made just now: its maker may not have locked it yet
+    old = tmp_path / "vllm_offload_old.mmap"
+    old.write_bytes(b"\0")
+    _age(old, 1000)
+    directory = tmp_path / "vllm_offload_dir.mmap"
+    directory.mkdir()
+    _age(directory, 1000)
+    pattern, age = region_lifetime.REGION_PATTERN, region_lifetime.STALE_AFTER_S
+    assert remove_stale_names(tmp_path, pattern, "test", age) == [old]
+    assert link.is_symlink() and target.read_bytes() == b"keep" and young.exists() and directory.is_dir()

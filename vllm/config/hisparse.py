@@ -16,6 +16,8 @@ read the validated config.
 
 from __future__ import annotations
 
+import math
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import field_validator, model_validator
@@ -240,6 +242,74 @@ def default_hot_buffer_rows(vllm_config: VllmConfig, topk: int) -> int:
     return max(DEFAULT_HOT_BUFFER_TOPK_MULTIPLE, 1 + drafts) * topk
 
 
+SHARED_MEMORY_DIR = "/dev/shm"
+
+
+def _cpu_bytes(extra: Any) -> int:
+    try:
+        return max(int((extra or {}).get("cpu_bytes_to_use") or 0), 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0  # the connector refuses it itself, naming the field
+
+
+def _offload_tier_bytes(transfer: Any) -> int:
+    """Bytes of host memory an OffloadingConnector in `transfer` (alone or inside a
+    MultiConnector) maps in /dev/shm: its cpu_bytes_to_use."""
+    if transfer is None:
+        return 0
+    extra = transfer.kv_connector_extra_config or {}
+    if transfer.kv_connector == "OffloadingConnector":
+        return _cpu_bytes(extra)
+    if transfer.kv_connector == "MultiConnector":
+        return sum(
+            _cpu_bytes(sub.get("kv_connector_extra_config"))
+            for sub in extra.get("connectors") or ()
+            if isinstance(sub, dict) and sub.get("kv_connector") == "OffloadingConnector"
+        )
+    return 0
+
+
+def shared_memory_needs(vllm_config: VllmConfig) -> list[tuple[str, int]]:
+    """(setting, bytes) of what an engine started with `vllm_config` maps in /dev/shm on one
+    node: the host pool when the ranks of a node share it (tensor parallelism), and a KV
+    offloading tier; each data-parallel engine of the node has its own."""
+    hisparse = vllm_config.attention_config.hisparse_config
+    parallel = vllm_config.parallel_config
+    engines = max(int(getattr(parallel, "data_parallel_size_local", 1) or 1), 1)
+    needs = []
+    if hisparse is not None and parallel.tensor_parallel_size > 1:
+        setting = f"hisparse_config.host_pool_gib={hisparse.host_pool_gib}"
+        needs.append((setting, hisparse.host_pool_bytes * engines))
+    offload = _offload_tier_bytes(vllm_config.kv_transfer_config)
+    if offload:
+        needs.append((f"kv_connector_extra_config.cpu_bytes_to_use={offload}", offload * engines))
+    return needs
+
+
+def check_shared_memory(vllm_config: VllmConfig, free_bytes: int | None = None) -> None:
+    """Refuse to start when the host pool and a KV offloading tier both live in /dev/shm and
+    together do not fit there (each alone is checked where it is made): naming both settings,
+    the total and what /dev/shm has free, instead of failing half-way through start-up."""
+    needs = shared_memory_needs(vllm_config)
+    if len(needs) < 2:
+        return
+    if free_bytes is None:
+        try:
+            info = os.statvfs(SHARED_MEMORY_DIR)
+        except OSError:
+            return
+        free_bytes = info.f_bavail * info.f_frsize
+    total = sum(n for _, n in needs)
+    if total > free_bytes:
+        parts = " + ".join(f"{setting} ({n / GiB:.2f} GiB)" for setting, n in needs)
+        raise ValueError(
+            f"Hybrid HiSparse: {parts} = {total / GiB:.2f} GiB must fit in {SHARED_MEMORY_DIR}, "
+            f"which has {free_bytes / GiB:.2f} GiB free. Give the container more shared memory "
+            f"(docker run --shm-size={math.ceil(total / GiB * 1.05)}g, or --ipc=host), or lower "
+            "host_pool_gib or cpu_bytes_to_use"
+        )
+
+
 def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     """Start-up checks that need the model; resolves the hot-buffer default."""
     hisparse = vllm_config.attention_config.hisparse_config
@@ -317,6 +387,7 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
             "hisparse_config"
         )
     if plans_executable():
+        check_shared_memory(vllm_config)
         # Groups with different page sizes overlay each block's bytes only in a
         # block-outermost layout (see vllm/v1/hisparse/kv_grouping.py).
         vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT

@@ -40,6 +40,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,8 +100,17 @@ def remove_stale_pools(directory: Path = SHARED_POOL_DIR) -> list[Path]:
     removed the name, so only a name left by a process that died in between can
     be locked exclusively here. Returns the names removed.
     """
+    pattern = f"{SHARED_POOL_PREFIX}*{SHARED_POOL_SUFFIX}"
+    return remove_stale_names(directory, pattern, "a host pool left by an engine that died starting")
+
+
+def remove_stale_names(directory: Path, pattern: str, what: str, min_age_s: float = 0.0) -> list[Path]:
+    """Remove the names matching `pattern` in `directory` that no live process holds a lock
+    on, and (`min_age_s`) whose content changed no later than that long ago: never through a
+    symbolic link, only a regular file of this user's, and only the file locked here (not
+    one made under the name since). Returns the names removed."""
     removed = []
-    for path in sorted(directory.glob(f"{SHARED_POOL_PREFIX}*{SHARED_POOL_SUFFIX}")):
+    for path in sorted(directory.glob(pattern)):
         try:
             # Never through a symbolic link, and only a regular file of this user's.
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -110,17 +120,19 @@ def remove_stale_pools(directory: Path = SHARED_POOL_DIR) -> list[Path]:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
                 continue
+            if min_age_s and time.time() - info.st_mtime < min_age_s:
+                continue  # its maker may not have locked it yet
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # The name still names the file locked here (not one made since).
             if os.lstat(path).st_ino != info.st_ino:
                 continue
         except OSError:
-            continue  # a live engine is starting with it, or the name went meanwhile
+            continue  # a live engine holds it, or the name went meanwhile
         finally:
             os.close(fd)
         path.unlink(missing_ok=True)
         removed.append(path)
-        logger.warning("Hybrid HiSparse: removed %s, a host pool left by an engine that died starting", path)
+        logger.warning("Hybrid HiSparse: removed %s, %s", path, what)
     return removed
 
 
