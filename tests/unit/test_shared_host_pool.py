@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,13 @@ import pytest
 import torch
 
 from vllm.v1.hisparse import host_memory
-from vllm.v1.hisparse.host_memory import HostPoolMemory, HostPoolMemoryError, PoolShare, remove_stale_pools
+from vllm.v1.hisparse.host_memory import (
+    STAGING_STALE_AFTER_S,
+    HostPoolMemory,
+    HostPoolMemoryError,
+    PoolShare,
+    remove_stale_pools,
+)
 from vllm.v1.hisparse.pool_placement import place_ranks
 
 SHAPE = (2, 3, 64, 16)
@@ -143,6 +150,45 @@ def test_a_name_left_by_a_creator_that_died_is_stale_and_a_locked_one_is_not(shm
         memories = start_ranks(shm_dir / "vllm_hisparse_new_dp0_n0.pool", 2)
         assert all(isinstance(m, HostPoolMemory) for m in memories)
         assert sorted(p.name for p in shm_dir.iterdir()) == [live.name]
+    finally:
+        os.close(holder)
+
+
+def test_a_creator_reserving_pages_shows_no_name_until_the_pool_is_locked_and_whole(shm_dir, monkeypatch):
+    """Reserving the pool's pages is the longest step of making it, where a kill -9 is most
+    likely: while it runs, nothing of the pool has a name in the directory (so a killed
+    creator leaves nothing), and the file it reserves is already locked."""
+    seen: list[list[str]] = []
+    fallocate = os.posix_fallocate
+
+    def look_then_fallocate(fd, offset, length):
+        seen.append(sorted(p.name for p in shm_dir.iterdir()))
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", look_then_fallocate)
+    memories = start_ranks(shm_dir / "vllm_hisparse_tmp_dp0_n0.pool", 2)
+    assert all(isinstance(m, HostPoolMemory) for m in memories), memories
+    assert seen == [[]], "no name (staging or pool) while the pages are reserved"
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_where_o_tmpfile_is_missing_a_dead_creators_staging_name_is_removed_once_a_minute_old(shm_dir):
+    dead = shm_dir / ".vllm_hisparse_dead_dp0_n0.pool.4242.tmp"
+    dead.write_bytes(b"\0" * 4096)
+    young = shm_dir / ".vllm_hisparse_young_dp0_n0.pool.4343.tmp"
+    young.write_bytes(b"\0" * 4096)  # just made: its creator may not have locked it yet
+    live = shm_dir / ".vllm_hisparse_live_dp0_n0.pool.4444.tmp"
+    live.write_bytes(b"\0" * 4096)
+    old = time.time() - 2 * STAGING_STALE_AFTER_S
+    os.utime(dead, (old, old))
+    os.utime(live, (old, old))
+    holder = os.open(live, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        assert remove_stale_pools(shm_dir) == [dead]
+        assert live.exists() and young.exists()
     finally:
         os.close(holder)
 

@@ -12,12 +12,13 @@ Owns allocating and releasing the host pool buffer of one node:
   allocation up to a power of two;
 - a rank alone on its node maps private anonymous memory. Ranks that share the
   node (tensor parallelism: every rank holds the same MLA latent cache) map one
-  shared region instead (`PoolShare`): its creator makes it under a private
-  staging name, locks it, reserves its pages (tmpfs then cannot run out under a
+  shared region instead (`PoolShare`): its creator makes it without a name
+  (O_TMPFILE), locks it, reserves its pages (tmpfs then cannot run out under a
   running engine) and only then links it to
   /dev/shm/vllm_hisparse_<engine>_dp<rank>_n<node>.pool, so the name is never
-  visible unlocked; the others map it, and the creator removes the name at once,
-  so no exit, a killed process included, can leave it behind. A name whose
+  visible unlocked and a creator killed before that leaves nothing; the others
+  map it, and the creator removes the name at once, so no exit, a killed
+  process included, can leave it behind. A name whose
   creator died before that (a crash during start-up) is stale: nothing holds its
   lock, and the next creator on the node removes it, never through a symbolic
   link and only a regular file of its own user;
@@ -62,6 +63,9 @@ CUDA_HOST_REGISTER_MAPPED = 2
 SHARED_POOL_DIR = Path("/dev/shm")
 SHARED_POOL_PREFIX = "vllm_hisparse_"
 SHARED_POOL_SUFFIX = ".pool"
+# A staging name (made only where O_TMPFILE is missing) unchanged this long and unlocked
+# has no live creator.
+STAGING_STALE_AFTER_S = 60.0
 
 
 class HostPoolMemoryError(RuntimeError):
@@ -96,12 +100,18 @@ def shared_pool_path(engine_key: str, dp_rank: int, node_index: int) -> Path:
 def remove_stale_pools(directory: Path = SHARED_POOL_DIR) -> list[Path]:
     """Remove host pool names whose creator is gone: nothing holds their lock.
 
-    A live creator holds a shared lock from before its name exists until it has
-    removed the name, so only a name left by a process that died in between can
-    be locked exclusively here. Returns the names removed.
+    A live creator holds a shared lock from before its staging name exists until it
+    has removed the pool's name, so only a name (staging or pool) left by a process
+    that died in between can be locked exclusively here. Returns the names removed.
     """
     pattern = f"{SHARED_POOL_PREFIX}*{SHARED_POOL_SUFFIX}"
-    return remove_stale_names(directory, pattern, "a host pool left by an engine that died starting")
+    removed = remove_stale_names(directory, pattern, "a host pool left by an engine that died starting")
+    # Where O_TMPFILE is missing, a creator killed while it reserved the pool's pages leaves
+    # its staging name; a live creator locks it right after making it.
+    staging = f".{pattern}.*.tmp"
+    return removed + remove_stale_names(
+        directory, staging, "a host pool an engine died reserving", STAGING_STALE_AFTER_S
+    )
 
 
 def remove_stale_names(directory: Path, pattern: str, what: str, min_age_s: float = 0.0) -> list[Path]:
@@ -335,18 +345,34 @@ class HostPoolMemory:
                 f"container more shared memory (docker run --ipc=host, or --shm-size) or lower "
                 f"host_pool_gib"
             )
-        # Made under a name no sweep matches, locked and reserved there, then linked to its
-        # rendezvous name: the name is never visible unlocked, so a peer's sweep cannot
-        # take it for stale.
-        staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        # Made with no name at all (O_TMPFILE): locked and its pages reserved there, then
+        # linked to its rendezvous name. The name is never visible unlocked (a peer's sweep
+        # cannot take it for stale), and a creator killed while reserving, the longest step,
+        # leaves no name behind: the kernel frees the pages with its last descriptor.
+        staging: Path | None = None
+        try:
+            fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except (AttributeError, OSError):
+            # No O_TMPFILE here: a staging name no pool sweep matches until it is a minute
+            # old (a dead creator's is removed by `remove_stale_pools` after that).
+            staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             # Reserve every page now: tmpfs grows on demand, and a full /dev/shm would
             # otherwise end a running engine with SIGBUS on its first write past it.
             os.posix_fallocate(fd, 0, self.nbytes)
             try:
-                os.link(staging, path)
+                if staging is None:
+                    # linkat(AT_SYMLINK_FOLLOW) through the descriptor's /proc link: Python calls
+                    # linkat, not link, only when given a directory descriptor.
+                    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=directory, follow_symlinks=True)
+                    finally:
+                        os.close(directory)
+                else:
+                    os.link(staging, path)
             except FileExistsError:
                 raise HostPoolMemoryError(
                     f"Hybrid HiSparse: {path} belongs to an engine starting now with the same id; "
@@ -356,7 +382,8 @@ class HostPoolMemory:
             os.close(fd)
             raise
         finally:
-            staging.unlink(missing_ok=True)
+            if staging is not None:
+                staging.unlink(missing_ok=True)
         return fd
 
     @staticmethod
