@@ -17,7 +17,10 @@ land in the host pool. Several multi-turn sessions go through the proxy:
   computed, wall time) is printed for the record;
 - over NixlConnector (UCX on the CPU) the decode instance with HiSparse pulls
   every prompt, the pages it lands on the host straight into its host pool,
-  and gives the same tokens.
+  and gives the same tokens; the proxy signs what it sends with the secret it
+  shares with the decode instance, and a client that names a peer itself
+  (unsigned, or signed with another secret) is refused with a 400: the peer's
+  listener is never contacted and the decode instance holds nothing for it.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import random
+import select
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,8 +85,9 @@ DECODE = [*COMMON, "--kv-cache-memory-bytes", str(DECODE_KV_CACHE_BYTES)]
 class Proxy:
     """scripts/pd_proxy.py in a process of its own."""
 
-    def __init__(self, prefill: VllmServer, decode: VllmServer, log: Path) -> None:
+    def __init__(self, prefill: VllmServer, decode: VllmServer, log: Path, env: dict | None = None) -> None:
         self.port = free_port()
+        self.env = {**os.environ, **env} if env else None
         self.cmd = [sys.executable, str(REPO / "scripts" / "pd_proxy.py"), "--port", str(self.port),
                     "--prefill", prefill.url(""), "--decode", decode.url("")]  # fmt: skip
         self.log = log
@@ -88,7 +96,7 @@ class Proxy:
     @contextlib.contextmanager
     def running(self):
         with self.log.open("wb") as log:
-            process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
             try:
                 deadline = time.monotonic() + 60
                 while True:
@@ -161,16 +169,21 @@ class RunningSampler:
         self._thread.join()
 
 
-def through_proxy(prefill: VllmServer, decode: VllmServer, logs: Path, name: str) -> DecodeRun:
-    """The sessions through the proxy in front of `decode`, which starts and stops here."""
+def through_proxy(prefill: VllmServer, decode: VllmServer, logs: Path, name: str,
+                  proxy_env: dict | None = None, after=None) -> DecodeRun:
+    """The sessions through the proxy in front of `decode`, which starts and stops here;
+    `after(decode)` runs once they are done, before `decode` stops."""
     with contextlib.ExitStack() as stack:
         decode.start()
         stack.callback(decode.stop)
-        proxy = stack.enter_context(Proxy(prefill, decode, logs / f"proxy-{name}.log").running())
+        proxy = stack.enter_context(Proxy(prefill, decode, logs / f"proxy-{name}.log", proxy_env).running())
         started = time.monotonic()
         with RunningSampler(decode) as running:
             tokens, lengths = run_sessions(proxy)
-        return DecodeRun(tokens, lengths, decode.metrics(), running.samples, time.monotonic() - started)
+        wall_s = time.monotonic() - started
+        if after is not None:
+            after(decode)
+        return DecodeRun(tokens, lengths, decode.metrics(), running.samples, wall_s)
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +269,45 @@ def nixl_connector(role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role})]
 
 
+# The secret the proxy and the NIXL decode instance share (VLLM_HISPARSE_PD_SECRET).
+PD_SECRET = {"VLLM_HISPARSE_PD_SECRET": "e2e-test-secret-0123456789abcdef"}
+
+
+def refuses_clients_that_name_a_peer(decode: VllmServer) -> None:
+    """A client sends the decode instance kv_transfer_params naming a peer, a listener here,
+    unsigned and signed with another secret: each is a 400, the listener is never contacted
+    (neither to read from it nor to tell it to free blocks, as upstream does for a request
+    refused before the engine) and nothing is held or computed for them."""
+    from vllm.v1.hisparse import trust
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    with listener:
+        host, port = listener.getsockname()
+        hostile = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "attacker",
+                   "remote_host": host, "remote_port": port, "remote_block_ids": [[1, 2], [1, 2], [1, 2]],
+                   "remote_request_id": "victim-req", "remote_num_tokens": 128}  # fmt: skip
+        before = decode.metrics()
+        forged = trust.sign(hostile, b"not the secret the instances share")
+        for params, reason in ((hostile, "no signature"), (forged, "does not accept")):
+            body = {"model": decode.served_name, "prompt": list(range(3, 131)), "max_tokens": 4,
+                    "kv_transfer_params": params}  # fmt: skip
+            request = urllib.request.Request(decode.url("/v1/completions"), json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert refused.value.code == 400
+            assert reason in refused.value.read().decode()
+        time.sleep(3)  # a connection attempt would have been made by now
+        readable, _, _ = select.select([listener], [], [], 0)
+        assert not readable, "the decode instance contacted the peer a client named"
+    after = decode.metrics()
+    for name in ("vllm:prompt_tokens_total", "vllm:request_success_total", "vllm:num_requests_waiting",
+                 "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):  # fmt: skip
+        assert metric(after, name) == metric(before, name), name
+
+
 def test_nixl_imports_land_in_the_host_pool_and_match_one_instance(reference, tmp_path):
     """NixlConnector over UCX on the CPU: the decode instance pulls every prompt from the
     prefill instance's KV blocks, the pages HiSparse lands on the host straight into its
@@ -271,11 +323,11 @@ def test_nixl_imports_land_in_the_host_pool_and_match_one_instance(reference, tm
     decode = VllmServer(
         model, "tiny-glm5", [*DECODE, *HISPARSE, *nixl_connector("kv_consumer")],
         tmp_path / "decode-nixl.log",
-        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), **PD_SECRET},
     )  # fmt: skip
     prefill.start()
     try:
-        nixl = through_proxy(prefill, decode, tmp_path, "nixl")
+        nixl = through_proxy(prefill, decode, tmp_path, "nixl", PD_SECRET, refuses_clients_that_name_a_peer)
         prefill_metrics = prefill.metrics()
     finally:
         prefill.stop()

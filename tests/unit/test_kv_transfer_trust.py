@@ -37,12 +37,12 @@ def fresh() -> trust._UsedSignatures:
     return trust._UsedSignatures()
 
 
-def test_signed_params_pass_once_and_reach_the_connector_without_the_signature():
+def test_signed_params_pass_once_and_reach_the_connector_unchanged():
     signed = trust.sign(PARAMS, SECRET, now=1000.0)
     used = fresh()
     checked = dict(signed)
     trust.verify(checked, SECRET, now=1001.0, used=used)
-    assert checked == PARAMS
+    assert checked == signed and {k: checked[k] for k in PARAMS} == PARAMS
     # The same signature a second time: refused (one read per signature).
     with pytest.raises(trust.UntrustedKVTransfer, match="already used"):
         trust.verify(dict(signed), SECRET, now=1002.0, used=used)
@@ -106,7 +106,22 @@ def test_only_a_consumer_checks_and_only_a_remote_prefill(monkeypatch):
     monkeypatch.setenv(trust.SECRET_ENV, SECRET.decode())
     args = {"kv_transfer_params": trust.sign(PARAMS, SECRET)}
     trust.check_params(CONSUMER, args)
-    assert args["kv_transfer_params"] == PARAMS
+
+
+def test_a_rejected_request_makes_the_consumer_contact_its_peer_only_if_the_proxy_signed_it(monkeypatch):
+    """vLLM tells the peer of a request refused before the engine to free its blocks: for a
+    client's own parameters that would be a connection to any host it names."""
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET.decode())
+    signed = trust.sign(PARAMS, SECRET)
+    trust.check_params(CONSUMER, {"kv_transfer_params": dict(signed)})  # accepted once already
+    assert trust.may_notify_rejection(CONSUMER, signed)
+    assert not trust.may_notify_rejection(CONSUMER, dict(PARAMS))
+    forged = trust.sign(PARAMS, b"another secret of 32 bytes......")
+    assert not trust.may_notify_rejection(CONSUMER, forged)
+    assert trust.may_notify_rejection(PRODUCER, dict(PARAMS)), "a producer reads from no peer"
+    assert trust.may_notify_rejection(CONSUMER, {"do_remote_decode": True})
+    monkeypatch.delenv(trust.SECRET_ENV)
+    assert not trust.may_notify_rejection(CONSUMER, signed)
 
 
 def test_vllm_answers_a_refusal_as_a_validation_error_naming_the_field(monkeypatch):
@@ -138,4 +153,4 @@ def test_the_proxy_signs_what_the_decode_instance_gets_with_the_shared_secret():
     params = sent["kv_transfer_params"]
     assert trust.MAC_FIELD in params
     trust.verify(params, SECRET, used=fresh())
-    assert params == PARAMS
+    assert {k: params[k] for k in PARAMS} == PARAMS

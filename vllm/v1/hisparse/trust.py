@@ -15,7 +15,10 @@ with an expiry. A KV consumer's front end checks them before a request exists
 (`check_kv_transfer_params`, called where vLLM validates sampling parameters):
 without a valid, unexpired, unused signature the request is refused with a
 400 answer and nothing is held. A consumer without the secret refuses every
-remote prefill, naming the setting.
+remote prefill, naming the setting. A refused request's parameters are not
+passed on either: vLLM tells the peer of a request rejected before it reached
+the engine to free its blocks, and does so only for signed parameters here
+(`may_notify_rejection`), so a client cannot make the instance contact a host.
 
 Parameters without `do_remote_prefill` (a producer's `do_remote_decode`, or
 none at all) are not checked here: they steer no read from a peer.
@@ -100,9 +103,10 @@ _USED = _UsedSignatures()
 
 
 def verify(params: dict[str, Any], secret: bytes | None, now: float | None = None,
-           used: _UsedSignatures = _USED) -> None:
-    """Raise UntrustedKVTransfer unless `params` carry a valid, unexpired signature not
-    seen before; on success the signature fields are removed (the connector never sees them)."""
+           used: _UsedSignatures | None = _USED) -> None:
+    """Raise UntrustedKVTransfer unless `params` carry a valid, unexpired signature (and,
+    with `used`, one not accepted before: it is then recorded). The signature fields stay:
+    connectors read only the fields they know."""
     if secret is None:
         raise UntrustedKVTransfer(
             "this instance reads KV cache from a peer (do_remote_prefill) only for a trusted P/D proxy, "
@@ -128,9 +132,8 @@ def verify(params: dict[str, Any], secret: bytes | None, now: float | None = Non
     if not now <= expires <= now + MAX_VALID_S:
         raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill are expired (or claim "
                                   f"to be valid for more than {MAX_VALID_S:.0f} s)")
-    if not used.take(mac, float(expires), now):
+    if used is not None and not used.take(mac, float(expires), now):
         raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill were already used once")
-    del params[MAC_FIELD], params[EXPIRES_FIELD]
 
 
 def reads_from_peer(vllm_config: Any) -> bool:
@@ -163,3 +166,20 @@ def check_kv_transfer_params(vllm_config: Any, extra_args: dict[str, Any] | None
         from vllm.exceptions import VLLMValidationError
 
         raise VLLMValidationError(str(error), parameter="kv_transfer_params") from None
+
+
+def may_notify_rejection(vllm_config: Any, params: Any) -> bool:
+    """Whether a KV consumer may tell the peer named in a rejected request's
+    kv_transfer_params to free the blocks it holds for it (upstream does so for every
+    request refused before it reached the engine, which makes the instance contact that
+    peer): only when the trusted proxy signed them. The signature may already have been
+    accepted once, by the request itself."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return True
+    if not reads_from_peer(vllm_config):
+        return True
+    try:
+        verify(params, secret_from_env(), used=None)
+    except UntrustedKVTransfer:
+        return False
+    return True
