@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """scripts/pd_proxy.py between stand-in prefill and decode instances: a client cannot set the
-KV-transfer fields that tell a decode instance which peer to read KV from.
+KV-transfer fields that tell a decode instance which peer to read KV from; Authorization and
+a request id reach both instances; several instances are taken in turn; oversized bodies and
+requests beyond the concurrency limit are turned away before any instance is called.
 
 The instances are the seam: two local HTTP servers record every body they are sent and
 answer as a prefill instance does (with or without `kv_transfer_params`). The proxy runs
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -32,8 +35,10 @@ HOSTILE = {
 class Instance:
     """A stand-in vLLM instance: records bodies, answers `answer` as JSON."""
 
-    def __init__(self, answer: dict) -> None:
+    def __init__(self, answer: dict, hold: threading.Event | None = None) -> None:
+        """`hold`: when given, each answer waits until it is set."""
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
         instance = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -42,6 +47,9 @@ class Instance:
 
             def do_POST(self) -> None:
                 instance.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                instance.headers.append(dict(self.headers))
+                if hold is not None:
+                    hold.wait(30)
                 data = json.dumps(answer).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -70,14 +78,24 @@ def proxy_of():
         server.shutdown()
 
 
-def post(url: str, body: bytes) -> tuple[int, bytes]:
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    return post_with_headers(url, body, headers)[:2]
+
+
+def post_with_headers(url: str, body: bytes, headers: dict[str, str] | None = None):
     request = urllib.request.Request(url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read()
+            return response.status, response.read(), dict(response.headers)
     except urllib.error.HTTPError as error:
-        return error.code, error.read()
+        return error.code, error.read(), dict(error.headers)
+
+
+def serve(handler) -> tuple[ThreadingHTTPServer, str]:
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    return proxy, f"http://127.0.0.1:{proxy.server_port}"
 
 
 PREFILL_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0"}
@@ -106,3 +124,60 @@ def test_a_body_that_is_not_a_json_object_is_refused_before_any_instance_is_call
     status, answer = post(url, body)
     assert status == 400 and b"JSON object" in answer
     assert not prefill.bodies and not decode.bodies
+
+
+def test_authorization_and_a_request_id_reach_both_instances_and_the_id_comes_back(proxy_of):
+    url, prefill, decode = proxy_of({"choices": [{"text": "x"}]})
+    status, _, headers = post_with_headers(url, b'{"prompt": "hi"}', {"Authorization": "Bearer k-1"})
+    assert status == 200
+    (to_prefill,), (to_decode,) = prefill.headers, decode.headers
+    assert to_prefill["Authorization"] == to_decode["Authorization"] == "Bearer k-1"
+    request_id = to_prefill["X-Request-Id"]
+    assert request_id and to_decode["X-Request-Id"] == request_id == headers["X-Request-Id"]
+    # A client's own plain id is kept; one that is not a plain token is replaced.
+    post(url, b'{"prompt": "hi"}', {"X-Request-Id": "client-7"})
+    assert prefill.headers[-1]["X-Request-Id"] == decode.headers[-1]["X-Request-Id"] == "client-7"
+    post(url, b'{"prompt": "hi"}', {"X-Request-Id": "a b;" + "z" * 200})
+    replaced = prefill.headers[-1]["X-Request-Id"]
+    assert len(replaced) == 32 and int(replaced, 16) >= 0, replaced
+    # Without a client Authorization header, none is sent.
+    assert "Authorization" not in prefill.headers[-1]
+
+
+def test_several_instances_are_taken_in_turn():
+    prefills = [Instance({"choices": []}) for _ in range(2)]
+    decodes = [Instance({"choices": []}) for _ in range(3)]
+    proxy, url = serve(pd_proxy.make_handler([p.url for p in prefills], [d.url for d in decodes]))
+    try:
+        for _ in range(6):
+            assert post(url, b'{"prompt": "hi"}')[0] == 200
+    finally:
+        for server in (proxy, *(i.server for i in prefills + decodes)):
+            server.shutdown()
+    assert [len(p.bodies) for p in prefills] == [3, 3]
+    assert [len(d.bodies) for d in decodes] == [2, 2, 2]
+
+
+def test_a_body_over_the_limit_is_refused_unread_and_requests_over_the_concurrency_are_turned_away():
+    hold = threading.Event()
+    prefill, decode = Instance({"choices": []}), Instance({"choices": []}, hold)
+    proxy, url = serve(pd_proxy.make_handler(prefill.url, decode.url, max_body_bytes=64, max_concurrency=1))
+    try:
+        status, answer = post(url, json.dumps({"prompt": "x" * 100}).encode())
+        assert status == 413 and b"at most 64" in answer and not prefill.bodies
+        first = threading.Thread(target=post, args=(url, b'{"prompt": "a"}'))
+        first.start()
+        deadline = time.monotonic() + 10
+        while not decode.bodies and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert decode.bodies, "the first request reached the decode instance and waits there"
+        status, answer, headers = post_with_headers(url, b'{"prompt": "b"}')
+        assert status == 503 and headers.get("Retry-After") == "1"
+        assert len(prefill.bodies) == 1, "the request turned away never reached an instance"
+        hold.set()
+        first.join(10)
+        assert post(url, b'{"prompt": "c"}')[0] == 200, "its slot is free again"
+    finally:
+        hold.set()
+        for server in (proxy, prefill.server, decode.server):
+            server.shutdown()
