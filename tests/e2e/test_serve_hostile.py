@@ -14,7 +14,10 @@ two of the prompts here):
   request;
 - one has its model-running worker killed mid-step: requests fail with an
   error, the server exits within a bounded wait and leaves no process and no
-  shared memory behind.
+  shared memory behind;
+- one, at tensor-parallel size 2, has every process killed (-9) the moment a
+  worker starts making the node's shared host pool: nothing is left in
+  /dev/shm once the next start's sweep has run.
 
 After each workload the server must still answer, and once idle it must have
 returned everything: the gauges of `RESIDUE` read zero (host pool pages
@@ -27,9 +30,12 @@ requests until they read idle or a deadline passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -587,3 +593,73 @@ def test_a_killed_worker_fails_requests_and_the_server_exits_leaving_nothing_beh
         assert not left, f"shared memory the server created is left behind: {sorted(map(str, left))}"
     finally:
         server.stop()
+
+
+def _pool_files_of(processes: list[psutil.Process]) -> list[str]:
+    """What these processes hold open under /dev/shm of a host pool: its name, or the unnamed
+    file (O_TMPFILE) it is made in, which /proc shows as /dev/shm/#<inode> (deleted)."""
+    held = []
+    for process in processes:
+        try:
+            for fd in os.listdir(f"/proc/{process.pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{process.pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(("/dev/shm/#", "/dev/shm/vllm_hisparse_", "/dev/shm/.vllm_hisparse_")):
+                    held.append(target)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return held
+
+
+def test_a_tensor_parallel_server_killed_while_making_its_host_pool_leaves_nothing_behind(
+    sparse_glm5_dir, tmp_path
+):
+    """kill -9 of every process of a `vllm serve` at TP=2 the moment a worker starts making
+    the node's shared host pool (reserving its pages, the longest step of start-up's
+    allocations): what is left in /dev/shm afterwards is at most a name the next start removes
+    (`remove_stale_pools`, which a creator runs before its RAM check), and after that nothing,
+    and /dev/shm's free space is back."""
+    from vllm.v1.hisparse.host_memory import remove_stale_pools
+
+    def ours() -> set[Path]:
+        return set(SHM.glob("vllm_hisparse_*")) | set(SHM.glob(".vllm_hisparse_*"))
+
+    assert not ours(), f"pools of another run in /dev/shm: {ours()}"
+    free_before = shutil.disk_usage(SHM).free
+    args = [
+        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+        "--kv-cache-memory-bytes", str(64 << 20),
+        "--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": 4}}),
+    ]  # fmt: skip
+    server = VllmServer(sparse_glm5_dir, SERVED_NAME, args, tmp_path / "serve.log",
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    with server.log_path.open("wb") as log:
+        process = subprocess.Popen(server.cmd, stdout=log, stderr=subprocess.STDOUT, env=server.env)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not seen and time.monotonic() < deadline and process.poll() is None:
+            try:
+                tree = process_tree(process.pid)
+            except psutil.NoSuchProcess:
+                break
+            seen = _pool_files_of(tree) or [str(p) for p in ours()]
+            time.sleep(0.002)
+        assert seen, f"no host pool was being made within 300 s; log tail:\n{log_tail(server)}"
+        for p in process_tree(process.pid):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, f"processes left after kill -9: {alive}"
+    left = ours()
+    print(f"\nkilled while the pool was held as {seen}; left in /dev/shm: {sorted(map(str, left))}")
+    removed = remove_stale_pools(SHM)
+    assert set(removed) == left, (removed, left)
+    assert not ours(), f"left behind after the next start's sweep: {ours()}"
+    assert shutil.disk_usage(SHM).free >= free_before - (64 << 20), "the pool's pages went back"
