@@ -28,23 +28,31 @@ instances in turn. The client's `Authorization` header goes to both instances
 back to the client. At most --max-concurrency requests are in flight (more are
 answered 503 with Retry-After) and bodies over --max-body-bytes are answered 413
 unread. GET /health answers 200 when every instance does. Errors of either
-instance reach the client with their status and body. A prefill whose decode
-call fails keeps its blocks on the producer until the connector's own timeout
-(VLLM_NIXL_ABORT_REQUEST_TIMEOUT): vLLM has no call that releases them sooner.
+instance reach the client with their status and body. When the decode
+instance refuses a request, it tells the prefill instance to free the blocks it
+holds for it (vLLM's rejection notice, sent for parameters this proxy signed);
+when it cannot be reached, the producer frees them after its own timeout
+(VLLM_NIXL_ABORT_REQUEST_TIMEOUT). A client that disconnects mid-answer closes
+the decode call, which aborts the request there.
+
+It is a FastAPI application served by uvicorn, calling the instances with
+httpx (all three ship with vLLM), as vLLM's own example proxies are.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import sys
-import threading
-import urllib.error
-import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 FORWARDED = ("/v1/completions", "/v1/chat/completions")
 # The prefill instance keeps the request's KV cache for a decode instance to pull.
@@ -52,11 +60,6 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 TIMEOUT_S = 600
 MAX_BODY_BYTES = 32 << 20
 MAX_CONCURRENCY = 256
-
-
-def _post(url: str, body: bytes, headers: dict[str, str]):
-    request = urllib.request.Request(url, data=body, headers=headers)
-    return urllib.request.urlopen(request, timeout=TIMEOUT_S)
 
 
 def _trust():
@@ -84,135 +87,148 @@ def _request_id(value: str | None) -> str:
 
 
 class _RoundRobin:
-    def __init__(self, urls: list[str]) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
+    def __init__(self, urls: str | list[str]) -> None:
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         self._next = itertools.cycle(self.urls)
-        self._lock = threading.Lock()
 
     def pick(self) -> str:
-        with self._lock:
-            return next(self._next)
+        return next(self._next)  # one event loop: no two picks interleave
 
 
-def make_handler(
+def build_app(
     prefill: str | list[str],
     decode: str | list[str],
     secret: bytes | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_concurrency: int = MAX_CONCURRENCY,
-) -> type[BaseHTTPRequestHandler]:
-    """`prefill`/`decode`: an instance's base URL or several, taken in turn; `secret`: shared
-    with the decode instances, signs the kv_transfer_params they get; at most
-    `max_concurrency` requests in flight (more are answered 503) and bodies of at most
-    `max_body_bytes` (larger ones 413)."""
+    timeout_s: float = TIMEOUT_S,
+) -> FastAPI:
+    """The proxy as an ASGI application. `prefill`/`decode`: an instance's base URL or
+    several, taken in turn; `secret`: shared with the decode instances, signs the
+    kv_transfer_params they get; at most `max_concurrency` requests in flight (more are
+    answered 503) and bodies of at most `max_body_bytes` (larger ones 413)."""
     trust = _trust() if secret is not None else None
-    prefills = _RoundRobin([prefill] if isinstance(prefill, str) else list(prefill))
-    decodes = _RoundRobin([decode] if isinstance(decode, str) else list(decode))
-    slots = threading.BoundedSemaphore(max_concurrency)
+    prefills, decodes = _RoundRobin(prefill), _RoundRobin(decode)
+    state = {"in_flight": 0}
 
-    class ProxyHandler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        limits = httpx.Limits(max_connections=2 * max_concurrency, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+            app.state.client = client
+            yield
 
-        def log_message(self, format: str, *args) -> None:  # one line per request on stderr
-            sys.stderr.write("pd_proxy: " + format % args + "\n")
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-        def _reply(self, status: int, body: bytes, content_type: str = "application/json",
-                   headers: dict[str, str] | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body)
+    def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
 
-        def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-            self._reply(status, json.dumps({"error": message}).encode(), headers=headers)
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        client: httpx.AsyncClient = request.app.state.client
+        for base in (*prefills.urls, *decodes.urls):
+            try:
+                answer = await client.get(base + "/health", timeout=10)
+            except httpx.HTTPError as e:
+                return error(503, f"{base}: {e!r}")
+            if answer.status_code != 200:
+                return error(503, f"{base}: /health answered {answer.status_code}")
+        return Response(status_code=200)
 
-        def do_GET(self) -> None:
-            if self.path != "/health":
-                self._error(404, "not found")
-                return
-            for base in (*prefills.urls, *decodes.urls):
+    async def read_body(request: Request) -> bytes | JSONResponse:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return error(413, f"request body of {length} bytes; at most {max_body_bytes}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                return error(413, f"request body over {max_body_bytes} bytes")
+        return bytes(body)
+
+    async def forward(request: Request) -> Response:
+        body = await read_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            parsed = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(400, f"request body is not JSON: {e}")
+        if not isinstance(parsed, dict):
+            return error(400, "request body must be a JSON object")
+        if state["in_flight"] >= max_concurrency:
+            return error(503, f"{max_concurrency} requests in flight; retry", {"Retry-After": "1"})
+        state["in_flight"] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                state["in_flight"] -= 1
+
+        return await call_instances(request, parsed, release)
+
+    async def call_instances(request: Request, parsed: dict, release) -> Response:
+        client: httpx.AsyncClient = request.app.state.client
+        request_id = _request_id(request.headers.get("x-request-id"))
+        headers = {"X-Request-Id": request_id}
+        if request.headers.get("authorization"):
+            headers["Authorization"] = request.headers["authorization"]
+        path = request.url.path
+        # KV-transfer fields steer which peer the decode instance reads KV from: only the
+        # prefill instance's answer may set them, never the client.
+        parsed.pop("kv_transfer_params", None)
+        prefill_request = dict(parsed, max_tokens=1, stream=False, kv_transfer_params=REMOTE_DECODE)
+        prefill_request.pop("max_completion_tokens", None)
+        prefill_request.pop("stream_options", None)
+        streaming = False
+        try:
+            answer = await client.post(prefills.pick() + path, json=prefill_request, headers=headers)
+            if answer.status_code != 200:
+                return Response(answer.content, answer.status_code, headers=headers,
+                                media_type=answer.headers.get("content-type"))  # fmt: skip
+            prefilled = answer.json()
+            params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
+            if params and trust is not None and isinstance(params, dict):
+                params = trust.sign(params, secret)
+            decode_request = dict(parsed, kv_transfer_params=params) if params else parsed
+            call = client.build_request("POST", decodes.pick() + path, json=decode_request, headers=headers)
+            answer = await client.send(call, stream=True)
+            if answer.status_code != 200:
+                content = await answer.aread()
+                await answer.aclose()
+                return Response(content, answer.status_code, headers=headers,
+                                media_type=answer.headers.get("content-type"))  # fmt: skip
+
+            async def relay():
+                # A client that goes away stops this generator: the decode call closes, and the
+                # decode instance aborts the request.
                 try:
-                    with urllib.request.urlopen(base + "/health", timeout=10):
-                        pass
-                except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-                    self._error(503, f"{base}: {error}")
-                    return
-            self._reply(200, b"")
+                    async for chunk in answer.aiter_raw():
+                        yield chunk
+                finally:
+                    await answer.aclose()
+                    release()
 
-        def do_POST(self) -> None:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
-                self.close_connection = True
-                self._error(411, "a request body with a Content-Length is required")
-                return
-            if int(length) > max_body_bytes:
-                self.close_connection = True  # the body is not read
-                self._error(413, f"request body of {length} bytes; at most {max_body_bytes}")
-                return
-            body = self.rfile.read(int(length))
-            if self.path not in FORWARDED:
-                self._error(404, "not found")
-                return
-            try:
-                request = json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                self._error(400, f"request body is not JSON: {error}")
-                return
-            if not isinstance(request, dict):
-                self._error(400, "request body must be a JSON object")
-                return
-            if not slots.acquire(blocking=False):
-                self._error(503, f"{max_concurrency} requests in flight; retry", {"Retry-After": "1"})
-                return
-            try:
-                self._forward(request)
-            finally:
-                slots.release()
+            async def cleanup() -> None:
+                # Also when the stream never started (the client left first); both are idempotent.
+                await answer.aclose()
+                release()
 
-        def _forward(self, request: dict) -> None:
-            request_id = _request_id(self.headers.get("X-Request-Id"))
-            headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-            if self.headers.get("Authorization"):
-                headers["Authorization"] = self.headers["Authorization"]
-            # KV-transfer fields steer which peer the decode instance reads KV from: only the
-            # prefill instance's answer may set them, never the client.
-            request.pop("kv_transfer_params", None)
-            prefill_request = dict(request, max_tokens=1, stream=False)
-            prefill_request["kv_transfer_params"] = REMOTE_DECODE
-            prefill_request.pop("max_completion_tokens", None)
-            prefill_request.pop("stream_options", None)
-            try:
-                with _post(prefills.pick() + self.path, json.dumps(prefill_request).encode(),
-                           headers) as response:  # fmt: skip
-                    prefilled = json.loads(response.read())
-                params = prefilled.get("kv_transfer_params") if isinstance(prefilled, dict) else None
-                if params and trust is not None and isinstance(params, dict):
-                    params = trust.sign(params, secret)
-                decode_request = dict(request, kv_transfer_params=params) if params else request
-                with _post(decodes.pick() + self.path, json.dumps(decode_request).encode(),
-                           headers) as response:  # fmt: skip
-                    self._relay(response, request_id)
-            except urllib.error.HTTPError as error:
-                self._reply(error.code, error.read(), headers={"X-Request-Id": request_id})
-            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError) as error:
-                self._error(502, f"an instance did not answer: {error}", {"X-Request-Id": request_id})
+            streaming = True
+            return StreamingResponse(relay(), status_code=answer.status_code, headers=headers,
+                                     media_type=answer.headers.get("content-type"),
+                                     background=BackgroundTask(cleanup))  # fmt: skip
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            return error(502, f"an instance did not answer: {e!r}", headers)
+        finally:
+            if not streaming:
+                release()
 
-        def _relay(self, response, request_id: str) -> None:
-            """The decode instance's answer as it arrives (chunked, so streams stay streams)."""
-            self.send_response(response.status)
-            self.send_header("X-Request-Id", request_id)
-            self.send_header("Content-Type", response.headers.get("Content-Type", "application/json"))
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            while chunk := response.read1(1 << 16):
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-
-    return ProxyHandler
+    for route in FORWARDED:
+        app.add_api_route(route, forward, methods=["POST"])
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 secret = trust.secret_from_env({trust.SECRET_ENV: f.read().strip()})
         else:
             secret = trust.secret_from_env()
-    except (OSError, ValueError) as error:
-        parser.error(str(error))
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
     if secret is None:
         print(
             f"pd_proxy: no shared secret ({trust.SECRET_ENV} or --secret-file): decode instances "
@@ -251,13 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.max_body_bytes < 1 or args.max_concurrency < 1:
         parser.error("--max-body-bytes and --max-concurrency must be >= 1")
-    handler = make_handler(args.prefill, args.decode, secret, args.max_body_bytes, args.max_concurrency)
-    server = ThreadingHTTPServer((args.host, args.port), handler)
+    import uvicorn
+
+    app = build_app(args.prefill, args.decode, secret, args.max_body_bytes, args.max_concurrency)
     print(f"pd_proxy: listening on http://{args.host}:{args.port}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
 
 

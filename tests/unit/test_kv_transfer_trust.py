@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -134,17 +133,14 @@ def test_vllm_answers_a_refusal_as_a_validation_error_naming_the_field(monkeypat
 
 
 def test_the_proxy_signs_what_the_decode_instance_gets_with_the_shared_secret():
-    from http.server import ThreadingHTTPServer
-
     import pd_proxy
-    from test_pd_proxy import Instance, post
+    from test_pd_proxy import Instance, post, serve
 
     prefill = Instance({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
     decode = Instance({"choices": [{"text": "ok"}]})
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), pd_proxy.make_handler(prefill.url, decode.url, SECRET))
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy, url = serve(pd_proxy.build_app(prefill.url, decode.url, SECRET))
     try:
-        status, _ = post(f"http://127.0.0.1:{proxy.server_port}", json.dumps({"prompt": "hi"}).encode())
+        status, _ = post(url, json.dumps({"prompt": "hi"}).encode())
     finally:
         for server in (prefill.server, decode.server, proxy):
             server.shutdown()

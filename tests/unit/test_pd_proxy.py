@@ -47,7 +47,7 @@ class Instance:
 
             def do_POST(self) -> None:
                 instance.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                instance.headers.append(dict(self.headers))
+                instance.headers.append({k.lower(): v for k, v in self.headers.items()})
                 if hold is not None:
                     hold.wait(30)
                 data = json.dumps(answer).encode()
@@ -68,10 +68,9 @@ def proxy_of():
 
     def start(prefill_answer: dict) -> tuple[str, Instance, Instance]:
         prefill, decode = Instance(prefill_answer), Instance({"choices": [{"text": "ok"}]})
-        proxy = ThreadingHTTPServer(("127.0.0.1", 0), pd_proxy.make_handler(prefill.url, decode.url))
-        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        proxy, url = serve(pd_proxy.build_app(prefill.url, decode.url))
         servers.extend([prefill.server, decode.server, proxy])
-        return f"http://127.0.0.1:{proxy.server_port}", prefill, decode
+        return url, prefill, decode
 
     yield start
     for server in servers:
@@ -87,15 +86,39 @@ def post_with_headers(url: str, body: bytes, headers: dict[str, str] | None = No
                                      headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read(), dict(response.headers)
+            return response.status, response.read(), {k.lower(): v for k, v in response.headers.items()}
     except urllib.error.HTTPError as error:
-        return error.code, error.read(), dict(error.headers)
+        return error.code, error.read(), {k.lower(): v for k, v in error.headers.items()}
 
 
-def serve(handler) -> tuple[ThreadingHTTPServer, str]:
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    return proxy, f"http://127.0.0.1:{proxy.server_port}"
+class ProxyServer:
+    """The proxy's application under uvicorn on a local port, as `python scripts/pd_proxy.py` runs it."""
+
+    def __init__(self, app) -> None:
+        import socket
+
+        import uvicorn
+
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.socket.close()
+
+
+def serve(app) -> tuple[ProxyServer, str]:
+    proxy = ProxyServer(app)
+    return proxy, proxy.url
 
 
 PREFILL_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0"}
@@ -128,26 +151,26 @@ def test_a_body_that_is_not_a_json_object_is_refused_before_any_instance_is_call
 
 def test_authorization_and_a_request_id_reach_both_instances_and_the_id_comes_back(proxy_of):
     url, prefill, decode = proxy_of({"choices": [{"text": "x"}]})
-    status, _, headers = post_with_headers(url, b'{"prompt": "hi"}', {"Authorization": "Bearer k-1"})
-    assert status == 200
+    status, answer, headers = post_with_headers(url, b'{"prompt": "hi"}', {"Authorization": "Bearer k-1"})
+    assert status == 200 and json.loads(answer) == {"choices": [{"text": "ok"}]}, "the decode answer, relayed"
     (to_prefill,), (to_decode,) = prefill.headers, decode.headers
-    assert to_prefill["Authorization"] == to_decode["Authorization"] == "Bearer k-1"
-    request_id = to_prefill["X-Request-Id"]
-    assert request_id and to_decode["X-Request-Id"] == request_id == headers["X-Request-Id"]
+    assert to_prefill["authorization"] == to_decode["authorization"] == "Bearer k-1"
+    request_id = to_prefill["x-request-id"]
+    assert request_id and to_decode["x-request-id"] == request_id == headers["x-request-id"]
     # A client's own plain id is kept; one that is not a plain token is replaced.
     post(url, b'{"prompt": "hi"}', {"X-Request-Id": "client-7"})
-    assert prefill.headers[-1]["X-Request-Id"] == decode.headers[-1]["X-Request-Id"] == "client-7"
+    assert prefill.headers[-1]["x-request-id"] == decode.headers[-1]["x-request-id"] == "client-7"
     post(url, b'{"prompt": "hi"}', {"X-Request-Id": "a b;" + "z" * 200})
-    replaced = prefill.headers[-1]["X-Request-Id"]
+    replaced = prefill.headers[-1]["x-request-id"]
     assert len(replaced) == 32 and int(replaced, 16) >= 0, replaced
     # Without a client Authorization header, none is sent.
-    assert "Authorization" not in prefill.headers[-1]
+    assert "authorization" not in prefill.headers[-1]
 
 
 def test_several_instances_are_taken_in_turn():
     prefills = [Instance({"choices": []}) for _ in range(2)]
     decodes = [Instance({"choices": []}) for _ in range(3)]
-    proxy, url = serve(pd_proxy.make_handler([p.url for p in prefills], [d.url for d in decodes]))
+    proxy, url = serve(pd_proxy.build_app([p.url for p in prefills], [d.url for d in decodes]))
     try:
         for _ in range(6):
             assert post(url, b'{"prompt": "hi"}')[0] == 200
@@ -161,7 +184,7 @@ def test_several_instances_are_taken_in_turn():
 def test_a_body_over_the_limit_is_refused_unread_and_requests_over_the_concurrency_are_turned_away():
     hold = threading.Event()
     prefill, decode = Instance({"choices": []}), Instance({"choices": []}, hold)
-    proxy, url = serve(pd_proxy.make_handler(prefill.url, decode.url, max_body_bytes=64, max_concurrency=1))
+    proxy, url = serve(pd_proxy.build_app(prefill.url, decode.url, max_body_bytes=64, max_concurrency=1))
     try:
         status, answer = post(url, json.dumps({"prompt": "x" * 100}).encode())
         assert status == 413 and b"at most 64" in answer and not prefill.bodies
@@ -172,7 +195,7 @@ def test_a_body_over_the_limit_is_refused_unread_and_requests_over_the_concurren
             time.sleep(0.02)
         assert decode.bodies, "the first request reached the decode instance and waits there"
         status, answer, headers = post_with_headers(url, b'{"prompt": "b"}')
-        assert status == 503 and headers.get("Retry-After") == "1"
+        assert status == 503 and headers.get("retry-after") == "1"
         assert len(prefill.bodies) == 1, "the request turned away never reached an instance"
         hold.set()
         first.join(10)
