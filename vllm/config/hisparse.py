@@ -169,6 +169,10 @@ class HiSparseConfig:
 # Whether the workers execute residency plans, when set (a test harness that
 # plays the worker sets it); None decides by platform, see plans_executable().
 workers_execute_plans: bool | None = None
+# Whether configs made here are for this machine (False while the capacity planner and
+# simulator build configs of another node): start-up checks of this machine's resources
+# (/dev/shm) run only then.
+configs_for_this_machine: bool = True
 
 
 def plans_executable() -> bool:
@@ -291,7 +295,7 @@ def check_shared_memory(vllm_config: VllmConfig, free_bytes: int | None = None) 
     together do not fit there (each alone is checked where it is made): naming both settings,
     the total and what /dev/shm has free, instead of failing half-way through start-up."""
     needs = shared_memory_needs(vllm_config)
-    if len(needs) < 2:
+    if len(needs) < 2 or not configs_for_this_machine:
         return
     if free_bytes is None:
         try:

@@ -555,12 +555,13 @@ def _attributes(obj: Any, **values: Any) -> Iterator[None]:
 def _where_hisparse_runs() -> Iterator[None]:
     """Plan for a GPU whose sparse-MLA backends run HiSparse's residency plans, whatever
     machine the planner runs on."""
-    saved = hisparse_settings.workers_execute_plans
+    saved = hisparse_settings.workers_execute_plans, hisparse_settings.configs_for_this_machine
     hisparse_settings.workers_execute_plans = True
+    hisparse_settings.configs_for_this_machine = False  # the node planned for, not this one
     try:
         yield
     finally:
-        hisparse_settings.workers_execute_plans = saved
+        hisparse_settings.workers_execute_plans, hisparse_settings.configs_for_this_machine = saved
 
 
 @contextmanager
