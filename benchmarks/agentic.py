@@ -190,7 +190,10 @@ def measure(config: str, concurrency: int, shape: Shape, model: Path, args: argp
     # Sessions longer than the tiny model's positions (--scale above about 1/20): its plain
     # RoPE extends, and every configuration runs the same model, so the ratios stand.
     long = args.max_model_len > MODEL.max_position_embeddings
-    env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if long else None
+    # The work counters below read the servers' test-and-benchmark counters (docs/metrics.md).
+    env = {"VLLM_HISPARSE_DEBUG_METRICS": "1"}
+    if long:
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     server = VllmServer(model, SERVED_NAME, serve_args(config, args, engine_id), log_path, engine_id, env)
     run = Run(config, concurrency)
     results: list[tuple[Completion, int, int]] = []  # (completion, new prompt tokens, turn)

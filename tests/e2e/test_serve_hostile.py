@@ -346,6 +346,22 @@ class TestAbortsAndBadInput:
         ran = finished_requests(after) - finished_requests(before)
         assert ran == len(normal_prompts) + outcome.completed + probes
 
+    def test_every_metric_the_dashboard_queries_is_exported_after_pressure(self, pressured):
+        """examples/grafana/hisparse.json names only metrics this server exports, and the
+        figures pressure moves (pages demoted and copied, bytes to the host) have values."""
+        server = pressured.live()
+        path = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "hisparse.json"
+        dashboard = json.loads(path.read_text())
+        queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+                   for name in re.findall(r"vllm:[a-z_:]+", target["expr"])}  # fmt: skip
+        text = server.metrics()
+        exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+        missing = {name for name in queried if name not in exported}
+        assert not missing, f"the dashboard queries metrics this server does not export: {sorted(missing)}"
+        for name in ("vllm:hisparse_pages_demoted_total", "vllm:hisparse_pages_copied_to_host_total",
+                     "vllm:hisparse_bytes_to_host_total"):  # fmt: skip
+            assert metric(text, name) > 0, f"{name} has no data after the abort storm"
+
     def test_prompt_over_max_model_len_is_refused_with_a_400(self, pressured):
         server = pressured.live()
         rng = random.Random(11)

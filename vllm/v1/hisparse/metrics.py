@@ -9,11 +9,18 @@ pages per residency state, host pool use) and counters for what happened
 host and device, preemptions avoided). The scheduler's counters are
 cumulative; counters here advance by their increase since the last record.
 
+Counters that only tests and benchmarks read (`DEBUG_COUNTERS`) are exported
+only with VLLM_HISPARSE_DEBUG_METRICS=1. vLLM 0.30's names for the same figures
+(`vllm:hisparse_cache_hits`, ...) are exported beside this build's. Every
+metric is described for operators in docs/metrics.md.
+
 It never reads scheduler state itself; it only translates one stats dict.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.config.hisparse import hisparse_active
@@ -52,6 +59,40 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
         "max_host_pools",
     ),
 }
+
+def _host_pool_usage(stats: dict[str, Any]) -> float:
+    total = stats.get("host_pages_total", 0)
+    return stats.get("host_pages_used", 0) / total if total else 0.0
+
+
+# Gauge name -> (documentation, its value from the stats).
+_DERIVED_GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
+    "vllm:hisparse_host_pool_usage_perc": (
+        "Fraction of the host pool's pages referenced by requests (1 = full), as vLLM's "
+        "*_usage_perc gauges.",
+        _host_pool_usage,
+    ),
+    # vLLM 0.30's names for the same figures.
+    "vllm:hisparse_host_cache_usage_perc": (
+        "vLLM 0.30's name for vllm:hisparse_host_pool_usage_perc.",
+        _host_pool_usage,
+    ),
+    "vllm:hisparse_pending_page_transfers": (
+        "Page copies device -> host planned and not yet reported durable (vLLM 0.30's name).",
+        lambda stats: stats.get("copies_in_flight", 0),
+    ),
+}
+
+# Counters only tests and benchmarks read: exported with DEBUG_METRICS_ENV=1.
+DEBUG_METRICS_ENV = "VLLM_HISPARSE_DEBUG_METRICS"
+DEBUG_COUNTERS = frozenset(
+    {
+        "vllm:hisparse_attention_calls",
+        "vllm:hisparse_worker_steps",
+        "vllm:hisparse_forward_steps",
+        "vllm:hisparse_device_reads",
+    }
+)
 
 # Counter name -> (documentation, cumulative stats key).
 _COUNTERS: dict[str, tuple[str, str]] = {
@@ -172,7 +213,31 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Bytes copied host -> device (restores and resolver row loads), all workers.",
         "bytes_from_host",
     ),
+    # vLLM 0.30's names for the same figures.
+    "vllm:hisparse_cache_hits": ("vLLM 0.30's name for vllm:hisparse_rows_hit.", "rows_hit"),
+    "vllm:hisparse_cache_misses": ("vLLM 0.30's name for vllm:hisparse_rows_loaded.", "rows_loaded"),
+    "vllm:hisparse_host_to_device_bytes": (
+        "vLLM 0.30's name for vllm:hisparse_bytes_from_host.",
+        "bytes_from_host",
+    ),
 }
+
+
+def debug_metrics_enabled() -> bool:
+    return os.environ.get(DEBUG_METRICS_ENV, "") not in ("", "0")
+
+
+def exported_metrics(debug: bool | None = None) -> dict[str, tuple[str, str]]:
+    """Every `vllm:hisparse_*` metric the server exports: name as scraped (counters end in
+    `_total`) -> (kind, documentation)."""
+    debug = debug_metrics_enabled() if debug is None else debug
+    out = {name: ("gauge", doc) for name, (doc, _) in _GAUGES.items()}
+    out.update({name: ("gauge", doc) for name, (doc, _) in _DERIVED_GAUGES.items()})
+    out.update(
+        {f"{name}_total": ("counter", doc) for name, (doc, _) in _COUNTERS.items()
+         if debug or name not in DEBUG_COUNTERS}
+    )  # fmt: skip
+    return out
 
 
 class HiSparseProm:
@@ -190,9 +255,11 @@ class HiSparseProm:
         self._gauges: dict[str, dict[int, Any]] = {}
         self._labelled: dict[str, dict[str, dict[int, Any]]] = {}
         self._counters: dict[str, dict[int, Any]] = {}
+        self._derived: dict[str, dict[int, Any]] = {}
         self._last: dict[tuple[int, str], int] = {}
         if not self.enabled:
             return
+        debug = debug_metrics_enabled()
         for name, (doc, keys) in _GAUGES.items():
             if isinstance(keys, dict):
                 gauge = gauge_cls(name=name, documentation=doc, labelnames=[*labelnames, "state"])
@@ -203,7 +270,12 @@ class HiSparseProm:
             else:
                 gauge = gauge_cls(name=name, documentation=doc, labelnames=labelnames)
                 self._gauges[name] = {e: gauge.labels(*v) for e, v in per_engine_labelvalues.items()}
+        for name, (doc, _) in _DERIVED_GAUGES.items():
+            gauge = gauge_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._derived[name] = {e: gauge.labels(*v) for e, v in per_engine_labelvalues.items()}
         for name, (doc, _) in _COUNTERS.items():
+            if name in DEBUG_COUNTERS and not debug:
+                continue
             counter = counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._counters[name] = {e: counter.labels(*v) for e, v in per_engine_labelvalues.items()}
 
@@ -216,11 +288,14 @@ class HiSparseProm:
                     self._labelled[name][state][engine_idx].set(stats.get(key, 0))
             else:
                 self._gauges[name][engine_idx].set(stats.get(keys, 0))
-        for name, (_, key) in _COUNTERS.items():
-            value = stats.get(key, 0)
-            last = self._last.get((engine_idx, key), 0)
+        for name, (_, value_of) in _DERIVED_GAUGES.items():
+            self._derived[name][engine_idx].set(value_of(stats))
+        for name, counters in self._counters.items():
+            value = stats.get(_COUNTERS[name][1], 0)
+            # Per metric, not per stats key: two names (this build's and 0.30's) may read one key.
+            last = self._last.get((engine_idx, name), 0)
             # A restarted engine starts its counters from zero again.
             increase = value - last if value >= last else value
             if increase:
-                self._counters[name][engine_idx].inc(increase)
-            self._last[(engine_idx, key)] = value
+                counters[engine_idx].inc(increase)
+            self._last[(engine_idx, name)] = value
