@@ -402,3 +402,42 @@ def test_startup_refuses_a_host_pool_and_an_offload_tier_that_do_not_fit_in_dev_
     config(None)  # the pool alone (checked where it is made)
     monkeypatch.setattr(hisparse_config.os, "statvfs", lambda path: Fs(6 * gib))
     config(offload)
+
+
+def test_vllm_030s_hisparse_connector_is_read_as_hisparse_config(tiny_glm_dsa_dir):
+    """vLLM 0.30 spells HiSparse `--kv-transfer-config '{"kv_connector":"HiSparseConnector",...}'`,
+    alone or inside a MultiConnector beside the OffloadingConnector: the same settings."""
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}  # fmt: skip
+    hisparse = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"host_pool_gib": 2}}  # fmt: skip
+
+    def config(transfer, attention=None):
+        return EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, kv_transfer_config=transfer,
+            attention_config=attention or {},
+        ).create_engine_config()  # fmt: skip
+
+    alone = config(hisparse)
+    assert alone.attention_config.hisparse_config.host_pool_gib == 2
+    assert alone.kv_transfer_config is None, "HiSparse is not a KV connector in this build"
+    multi = config({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"connectors": [hisparse, offload]}})  # fmt: skip
+    assert multi.attention_config.hisparse_config.host_pool_gib == 2
+    assert multi.kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert multi.kv_transfer_config.kv_connector_extra_config == {"cpu_bytes_to_use": 1 << 30}
+    assert multi.kv_transfer_config.kv_role == "kv_both"
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}  # fmt: skip
+    three = config({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"connectors": [offload, hisparse, example]}})  # fmt: skip
+    connectors = three.kv_transfer_config.kv_connector_extra_config["connectors"]
+    assert [c["kv_connector"] for c in connectors] == ["OffloadingConnector", "ExampleConnector"]
+    # Both spellings: they must agree.
+    both = config(hisparse, {"hisparse_config": {"host_pool_gib": 2, "mode": "always"}})
+    assert both.attention_config.hisparse_config.mode == "always" and both.kv_transfer_config is None
+    with pytest.raises(ValueError) as refused:
+        config(hisparse, {"hisparse_config": {"host_pool_gib": 8}})
+    assert "host_pool_gib=2" in str(refused.value) and "host_pool_gib=8.0" in str(refused.value)
+    with pytest.raises(ValueError, match="unknown key 'pool_size'"):
+        config({**hisparse, "kv_connector_extra_config": {"host_pool_gib": 2, "pool_size": 3}})

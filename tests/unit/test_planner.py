@@ -514,3 +514,24 @@ def test_the_planner_refuses_impossible_arguments_naming_the_flag(flag, value, c
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and "is outside" in err
+
+
+def test_vllm_030s_hisparse_connector_plans_as_the_announcements_two_flags(capsys):
+    """vLLM 0.30 writes HiSparse as a HiSparseConnector inside a MultiConnector with the
+    OffloadingConnector: the planner reads it as hisparse_config plus that connector."""
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 128 * GiB}}  # fmt: skip
+    hisparse = {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"host_pool_gib": 384}}  # fmt: skip
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [hisparse, offload]}}  # fmt: skip
+    common = ("--model", "glm-5.3", "-tp", "8", "--kv-cache-dtype", "fp8", "--gpu-memory-gib", "141",
+              "--format", "json")  # fmt: skip
+    code, ours, _ = run(capsys, *common, *HISPARSE_FLAG, "--kv-transfer-config", json.dumps(offload))
+    assert code == 0
+    code, theirs, _ = run(capsys, *common, "--kv-transfer-config", json.dumps(multi))
+    assert code == 0
+    assert json.loads(theirs) == json.loads(ours)
+    code, _, err = run(capsys, *common, "--attention-config", '{"hisparse_config":{"host_pool_gib":64}}',
+                       "--kv-transfer-config", json.dumps(multi))  # fmt: skip
+    assert code == 2 and "disagree" in err

@@ -314,8 +314,102 @@ def check_shared_memory(vllm_config: VllmConfig, free_bytes: int | None = None) 
         )
 
 
+UPSTREAM_CONNECTOR = "HiSparseConnector"
+
+
+def split_hisparse_connector(transfer: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """vLLM 0.30 spells HiSparse as a KV connector: `HiSparseConnector`, alone or inside a
+    MultiConnector. From a --kv-transfer-config dict: its settings (its
+    kv_connector_extra_config), and the config left once it is taken out: None when it was
+    alone, the other connector (with the outer kv_role and engine_id unless it has its own)
+    when one remains, else the MultiConnector without it. (None, transfer) when it is not
+    there."""
+    if transfer.get("kv_connector") == UPSTREAM_CONNECTOR:
+        return dict(transfer.get("kv_connector_extra_config") or {}), None
+    if transfer.get("kv_connector") != "MultiConnector":
+        return None, transfer
+    extra = dict(transfer.get("kv_connector_extra_config") or {})
+    connectors = list(extra.get("connectors") or ())
+    ours = [c for c in connectors if isinstance(c, dict) and c.get("kv_connector") == UPSTREAM_CONNECTOR]
+    if not ours:
+        return None, transfer
+    if len(ours) > 1:
+        raise ValueError(f"--kv-transfer-config names {UPSTREAM_CONNECTOR} {len(ours)} times; name it once")
+    rest = [c for c in connectors if c is not ours[0]]
+    settings = dict(ours[0].get("kv_connector_extra_config") or {})
+    if not rest:
+        return settings, None
+    if len(rest) == 1:
+        outer = {k: transfer[k] for k in ("kv_role", "engine_id") if transfer.get(k) is not None}
+        return settings, {**outer, **rest[0]}
+    return settings, {**transfer, "kv_connector_extra_config": {**extra, "connectors": rest}}
+
+
+def _hisparse_connector_settings(transfer: Any) -> tuple[dict[str, Any] | None, Any]:
+    """`split_hisparse_connector` of a KVTransferConfig: the remaining config as one."""
+    if transfer is None or transfer.kv_connector not in (UPSTREAM_CONNECTOR, "MultiConnector"):
+        return None, transfer
+    given = {"kv_connector": transfer.kv_connector, "kv_role": transfer.kv_role,
+             "engine_id": transfer.engine_id,
+             "kv_connector_extra_config": transfer.kv_connector_extra_config or {}}  # fmt: skip
+    settings, rest = split_hisparse_connector(given)
+    if settings is None:
+        return None, transfer
+    if rest is None:
+        return settings, None
+    if rest["kv_connector"] == "MultiConnector":
+        transfer.kv_connector_extra_config = rest["kv_connector_extra_config"]
+        return settings, transfer
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    return settings, KVTransferConfig(**rest)
+
+
+def adopt_hisparse_connector(vllm_config: VllmConfig) -> None:
+    """Read vLLM 0.30's `HiSparseConnector` in --kv-transfer-config as hisparse_config (it is
+    not a KV connector in this build). With both spellings, they must agree on every
+    setting the connector gives; otherwise start-up is refused naming both."""
+    settings, rest = _hisparse_connector_settings(vllm_config.kv_transfer_config)
+    if settings is None:
+        return
+    attention = vllm_config.attention_config
+    known = set(HiSparseConfig.__dataclass_fields__)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown key {unknown[0]!r} in {UPSTREAM_CONNECTOR}'s kv_connector_extra_config, which "
+            f"is read as hisparse_config; valid keys are {', '.join(sorted(known))}"
+        )
+    if attention.hisparse_config is None:
+        try:
+            attention.hisparse_config = HiSparseConfig(**settings)
+        except Exception as error:
+            raise ValueError(
+                f"{UPSTREAM_CONNECTOR}'s kv_connector_extra_config is read as hisparse_config: {error}"
+            ) from None
+    else:
+        differ = {k: (v, getattr(attention.hisparse_config, k)) for k, v in settings.items()
+                  if getattr(attention.hisparse_config, k) != v}  # fmt: skip
+        if differ:
+            key, (theirs, ours) = next(iter(differ.items()))
+            raise ValueError(
+                f"--kv-transfer-config's {UPSTREAM_CONNECTOR} sets {key}={theirs!r} but "
+                f"--attention-config's hisparse_config sets {key}={ours!r}: keep one of them "
+                "(they are two spellings of the same setting)"
+            )
+    vllm_config.kv_transfer_config = rest
+    logger.info(
+        "Hybrid HiSparse: %s in --kv-transfer-config read as --attention-config "
+        "'{\"hisparse_config\": %s}'%s",
+        UPSTREAM_CONNECTOR,
+        settings,
+        "" if rest is None else f"; the KV connector is now {rest.kv_connector}",
+    )
+
+
 def verify_hisparse_config(vllm_config: VllmConfig) -> None:
     """Start-up checks that need the model; resolves the hot-buffer default."""
+    adopt_hisparse_connector(vllm_config)
     hisparse = vllm_config.attention_config.hisparse_config
     if hisparse is None or vllm_config.model_config is None:
         return

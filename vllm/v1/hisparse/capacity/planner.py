@@ -50,6 +50,7 @@ from vllm.config.hisparse import (
     SPARSE_MLA_PAGE_TOKENS,
     host_pool_pages,
     sparse_mla_page_bytes,
+    split_hisparse_connector,
 )
 from vllm.v1.hisparse.kv_grouping import (
     INDEXER_LAYER_SUFFIX,
@@ -1411,22 +1412,38 @@ def request_from_args(args: argparse.Namespace, defaults: argparse.Namespace | N
         if args.model or args.model_tag:
             raise PlannerError("give the model once: in --serve-command (vllm serve MODEL ...) or --model")
         unused = serve_command_args(args, defaults or argument_parser().parse_args([]))
-    if not args.attention_config:
-        raise PlannerError(
-            "--attention-config is required (in --serve-command or on its own), with the deployment's "
-            'hisparse_config, e.g. \'{"hisparse_config":{"host_pool_gib":384}}\''
-        )
     model = args.model or args.model_tag
     if not model:
         raise PlannerError(
             "name the model: --model /path/to/model (or its config.json), a Hugging Face id in the "
             f"local cache, or a preset ({', '.join(PRESETS)})"
         )
-    attention_config = parse_json_flag("--attention-config", args.attention_config)
+    attention_config = {}
+    if args.attention_config:
+        attention_config = parse_json_flag("--attention-config", args.attention_config)
     kv_transfer = None
     if args.kv_transfer_config:
-        kv_transfer = offloading_connector_config(
-            parse_json_flag("--kv-transfer-config", args.kv_transfer_config)
+        given = parse_json_flag("--kv-transfer-config", args.kv_transfer_config)
+        try:
+            # vLLM 0.30's spelling of hisparse_config: a HiSparseConnector (see docs/deploy.md).
+            settings, given = split_hisparse_connector(given)
+        except ValueError as error:
+            raise PlannerError(str(error)) from None
+        if settings is not None:
+            ours = attention_config.get("hisparse_config")
+            if ours is not None and any(ours.get(k) != v for k, v in settings.items()):
+                raise PlannerError(
+                    f"--kv-transfer-config's HiSparseConnector ({settings}) and --attention-config's "
+                    f"hisparse_config ({ours}) disagree: keep one of them"
+                )
+            attention_config = {**attention_config, "hisparse_config": {**settings, **(ours or {})}}
+        if given is not None:
+            kv_transfer = offloading_connector_config(given)
+    if not attention_config.get("hisparse_config"):
+        raise PlannerError(
+            "--attention-config is required (in --serve-command or on its own), with the deployment's "
+            'hisparse_config, e.g. \'{"hisparse_config":{"host_pool_gib":384}}\' (or vLLM 0.30\'s '
+            "HiSparseConnector in --kv-transfer-config)"
         )
     if args.kv_offloading_size is not None:
         if kv_transfer is not None:
