@@ -27,10 +27,11 @@ lint: setup
 wheel:
 	$(if $(wildcard $(VENV_PY)),$(VENV_PY),$(PYTHON)) scripts/build_wheel.py $(if $(FLAVOUR),--flavour $(FLAVOUR),)
 
-## image: the container image from the CUDA wheel (needs a Docker engine)
+## image: the container image from the CUDA wheel (needs a Docker engine); BASE_DIGEST=sha256:... pins the base
 image:
 	$(MAKE) wheel FLAVOUR=cuda
-	docker build -t vllm-hisparse:$$($(PYTHON) scripts/upstream.py image-tag) .
+	docker build $(if $(BASE_DIGEST),--build-arg BASE_DIGEST=$(BASE_DIGEST),) \
+		-t vllm-hisparse:$$($(PYTHON) scripts/upstream.py image-tag) .
 
 ## demo: setup, then vllm serve of a tiny GLM-5 with Hybrid HiSparse under KV pressure, driven by
 ## a multi-turn agentic client; prints residency states, pages moved, hot hits, preemptions

@@ -47,24 +47,59 @@ def record_digest(data: bytes) -> str:
     return f"sha256={digest}"
 
 
+# Headers of the upstream wheel that name its own project or packager; this distribution
+# states its own instead (its Author, Summary, description, and upstream's home as such).
+REPLACED_HEADERS = ("Summary: ", "Author: ", "Author-email: ", "Maintainer: ", "Maintainer-email: ",
+                    "Home-page: ", "Project-URL: ", "Description-Content-Type: ")  # fmt: skip
+
+
+def project_headers(pin: Pin, flavour: Flavour) -> list[str]:
+    what = "CPU test bed build" if flavour == "cpu" else "CUDA build"
+    return [
+        f"Summary: vLLM {pin.version} with Hybrid HiSparse (sparse-MLA KV cache residency), {what}\n",
+        "Author: The vLLM Hybrid HiSparse distribution\n",
+        f"Project-URL: Upstream, https://github.com/vllm-project/vllm/tree/v{pin.version}\n",
+        "Project-URL: Upstream documentation, https://docs.vllm.ai/\n",
+        "Description-Content-Type: text/markdown\n",
+    ]
+
+
+def project_description(pin: Pin, flavour: Flavour) -> str:
+    built_on = pin.cpu_distribution if flavour == "cpu" else pin.cuda_distribution
+    return (
+        f"# vLLM {pin.version} with Hybrid HiSparse\n\n"
+        f"This wheel is upstream's `{built_on}=={pin.version}` wheel with the Hybrid HiSparse patch series "
+        "and overlay modules applied: a residency policy that keeps the sparse-MLA KV cache of DSA "
+        "models (GLM-5.x, DeepSeek-V3.2) on the GPU while it fits and moves older pages to a host "
+        "pool under memory pressure. It is not a release of the vLLM project, and issues with it "
+        "belong to this distribution, not to vLLM's or the packager's trackers. "
+        + ("It is the CPU build the test bed runs; serve from the CUDA wheel. " if flavour == "cpu" else "")
+        + "Its README.md and docs/ say how to use it.\n"
+    )
+
+
 def rewrite_metadata(text: str, pin: Pin, flavour: Flavour) -> str:
     version = pin.distribution_version(flavour)
     out: list[str] = []
-    in_headers = True
-    for line in text.splitlines(keepends=True):
-        if in_headers and line.strip() == "":
-            in_headers = False
-        if in_headers:
-            if line.startswith("Name: "):
-                line = f"Name: {pin.name}\n"
-            elif line.startswith("Version: "):
-                line = f"Version: {version}\n"
-            elif flavour == "cpu" and line.startswith("Requires-Dist: "):
-                requirement = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
-                if requirement.lower() in CPU_DROPPED_REQUIREMENTS:
-                    continue
+    headers, _, _ = text.partition("\n\n")
+    for line in headers.splitlines(keepends=True):
+        if line.startswith("Name: "):
+            line = f"Name: {pin.name}\n"
+        elif line.startswith("Version: "):
+            line = f"Version: {version}\n"
+            out.append(line)
+            out.extend(project_headers(pin, flavour))
+            continue
+        elif line.startswith(REPLACED_HEADERS):
+            continue
+        elif flavour == "cpu" and line.startswith("Requires-Dist: "):
+            requirement = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
+            if requirement.lower() in CPU_DROPPED_REQUIREMENTS:
+                continue
         out.append(line)
-    return "".join(out)
+    if not out[-1].endswith("\n"):
+        out[-1] += "\n"
+    return "".join(out) + "\n" + project_description(pin, flavour)
 
 
 def stamp_version(text: str, pin: Pin, flavour: Flavour) -> str:

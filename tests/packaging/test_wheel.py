@@ -124,3 +124,19 @@ def test_a_second_setup_is_a_no_op():
     )
     assert "up to date" in done.stdout
     assert record.stat().st_mtime_ns == mtime
+
+
+def test_wheel_metadata_names_this_distribution_not_the_upstream_packager(cpu_wheel, pin):
+    headers = metadata_headers(cpu_wheel)
+    named = dict(headers)
+    assert "Hybrid HiSparse" in named["Summary"]
+    assert named["Author"] == "The vLLM Hybrid HiSparse distribution"
+    assert not [k for k, _ in headers if k in ("Author-email", "Maintainer-email", "Maintainer")]
+    urls = [v for k, v in headers if k == "Project-URL"]
+    assert urls and all(u.startswith(("Upstream, ", "Upstream documentation, ")) for u in urls), urls
+    assert named["License-Expression"] == "Apache-2.0"
+    with zipfile.ZipFile(cpu_wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        description = zf.read(name).decode().split("\n\n", 1)[1]
+    assert f"{pin.cpu_distribution}=={pin.version}" in description
+    assert "not a release of the vLLM project" in description
