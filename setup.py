@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build the csrc/ CUDA extension, `vllm._hisparse_C`.
 
 This is not how the distribution is packaged: `scripts/build_wheel.py` builds the

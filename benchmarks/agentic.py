@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`make bench`: the announcement's agentic workload, four residency configurations side by side.
 
 Replays OpenHands-style sessions (13 turns; a first turn of 74,160 tokens; later

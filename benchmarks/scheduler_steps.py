@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-step scheduling time of Hybrid HiSparse as contexts grow, at a fixed batch size.
 
 vLLM's real Scheduler and KV cache manager, with the test harness playing the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build the distribution wheel: upstream wheel + overlay + series (+ extension).
 
 Usage:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Building csrc/ into `vllm/_hisparse_C.abi3.so` on any Linux machine with nvcc.
 
 Owns what the CUDA wheel needs to compile the extension, GPU or not:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`make demo`: Hybrid HiSparse under KV pressure, end to end, on this machine.
 
 Builds a small GLM-5-architecture checkpoint locally (random weights, fixed seed,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every GPU check of the HiSparse kernels, in one command, on a bare GPU machine.
 
 Usage: python3 scripts/gpu_check.py [--out docs/kernels.md] [--quick]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Apply, check and refresh the patch series against an installed vLLM tree.
 
 Usage (run with the Python whose environment holds the vLLM to act on):

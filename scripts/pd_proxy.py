@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A prefill/decode disaggregation proxy in front of `vllm serve` instances.
 
 Every completion or chat completion request goes first to the prefill

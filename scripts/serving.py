@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A `vllm serve` process of a local checkpoint for the demo and the benchmark.
 
 Owns the server process (start, wait for /health, stop, remove the

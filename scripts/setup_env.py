@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`make setup`: build this machine's distribution wheel and install it into .venv.
 
 Usage:

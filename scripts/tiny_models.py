@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tiny DSA (sparse-MLA) checkpoints for tests, the demo and the benchmark.
 
 This module owns the *test model factory*: everything needed to put a small, complete,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The upstream pin and the upstream wheels it names.
 
 Owns: reading `upstream.toml` (the only place the pin is written), naming the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures: repository paths, the project's scripts, tiny model configs."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fixtures for tests through the real engine on CPU."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`make bench`: the agentic benchmark runs the configurations side by side and reports what it measured."""
 
 from __future__ import annotations

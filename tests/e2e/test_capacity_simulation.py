@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`python -m vllm.v1.hisparse.capacity simulate`: the real scheduler at production scale.
 
 - Fidelity: on the tiny GLM-5.3's shapes and `make bench`'s workload (its quick size,

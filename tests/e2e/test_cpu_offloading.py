@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV offloading (OffloadingConnector) through the real engine on vLLM's CPU platform.
 
 For each offloading spec (``CPUOffloadingSpec`` and ``TieringOffloadingSpec``) the engine

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`make demo`'s script: a real `vllm serve` under KV pressure, driven by the multi-turn client."""
 
 from __future__ import annotations

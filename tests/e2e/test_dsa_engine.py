@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DSA through the real engine on CPU: greedy tokens do not depend on how the KV got there.
 
 The same prompts, greedy, in float32 (so different batch shapes do not perturb

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """With index top-K >= prompt length, vLLM's CPU DSA path equals transformers' model.
 
 When the indexer selects every visible token, sparse MLA is dense MLA, so vLLM's

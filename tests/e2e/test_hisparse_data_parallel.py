@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid HiSparse with data parallelism: `vllm serve --data-parallel-size 2` on CPU.
 
 Each data-parallel engine is an engine of its own, with its own scheduler, KV

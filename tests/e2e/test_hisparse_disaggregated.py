@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefill/decode disaggregation: a remote prefix lands in the decode instance's host pool.
 
 Real `vllm serve` processes on CPU: a prefill instance (`kv_producer`) and a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """With hisparse_config set, a DSA model's KV cache is split so sparse-MLA pages can move alone.
 
 Through the real engine (in-process, to read the scheduler's KV cache config):

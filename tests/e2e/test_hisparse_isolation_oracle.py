@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Isolation oracles: a second turn under pressure answers from its own KV, token for token.
 
 Through the real engine on CPU (in-process, float32, the six-layer tiny GLM-5 with

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The core oracle: greedy tokens with Hybrid HiSparse under pressure equal the all-resident run.
 
 Through the real engine on CPU (in-process, to read the scheduler's residency

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefill over host pages keeps its chunks whole, and its tokens exact.
 
 One long request in a KV pool far smaller than its context, through the real engine on

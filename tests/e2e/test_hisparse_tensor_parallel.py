@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid HiSparse at tensor-parallel size 2, through the real engine on CPU: under the mp
 executor (tiny GLM-5 and DeepSeek-V3.2), and under Ray on a local cluster of two nodes.
 

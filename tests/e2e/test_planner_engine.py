@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The capacity planner's KV cache config is the one the engine builds.
 
 For tiny GLM-5 and DeepSeek-V3.2 checkpoints (and GLM-5 with an MTP layer, and

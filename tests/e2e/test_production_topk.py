@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid HiSparse at the released models' index top-K (2048), through the real engine on CPU.
 
 At top-K 2048 a request of under 2 x top-K tokens selects nearly every token it

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hostile clients and failures against a real `vllm serve` with Hybrid HiSparse under KV pressure.
 
 Three server processes of the tiny GLM-5 DSA model, each with the announcement's

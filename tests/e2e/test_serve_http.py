@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`vllm serve` of the tiny GLM-5 DSA model over HTTP on CPU, with the announcement's flags.
 
 One real server process: OpenAI completions and chat completions answer, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every device block, host page and copy has exactly one owner, in vLLM's real Scheduler.
 
 Multi-turn sessions under KV pressure, the traffic Hybrid HiSparse exists for, through

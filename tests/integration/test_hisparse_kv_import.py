@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A KV connector's import with Hybrid HiSparse, in vLLM's real Scheduler.
 
 ExampleConnector (the grouped one this distribution registers) as a decode

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid HiSparse residency in vLLM's real Scheduler and KVCacheManager.
 
 A six-layer tiny GLM-5 model (six sparse-MLA KV cache groups of one layer plus one

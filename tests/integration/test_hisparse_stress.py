@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Adversarial stress at the scheduler level: ownership holds on every step, nothing is held idle.
 
 Random multi-turn agent sessions (each turn resends the conversation so far plus new

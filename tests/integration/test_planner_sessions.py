@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The capacity planner's session counts hold in vLLM's real scheduler.
 
 A six-layer tiny GLM-5 (six sparse-MLA groups of one layer and one indexer group

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The scheduler harness drives vLLM's real Scheduler the way a real engine would.
 
 Pinned to a real in-process engine (a few seconds per configuration): the harness's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CUDA batched page copy: compiles for sm_90a here; matches the torch reference bit for bit on a GPU."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused resolution plan kernel: compiles for sm_90a here; on a GPU it decides exactly
 what the torch reference decides (its algorithm is also held to the reference on the CPU,
 built for the host: tests/unit/test_fused_plan.py)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kernels at production shapes, byte for byte against their torch references (GPU),
 and the shared check harness itself (CPU, reference against reference, small shapes).
 

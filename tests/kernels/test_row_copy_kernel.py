@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The resolver's row copy kernel: compiles for sm_90a here; a whole resolution with it
 matches the torch reference bit for bit on a GPU."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Dockerfile: lint-clean, based on the pinned upstream image, copying make wheel's output."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Finding the CUDA toolkit for the CUDA wheel, and stopping clearly without one."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CUDA wheel carries its compiled kernels: built with `make wheel FLAVOUR=cuda`'s own
 script wherever nvcc exists (GPU or not), then loaded in the CUDA-torch build environment.
 

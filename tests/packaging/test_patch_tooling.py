@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """scripts/patches.py against real installed trees: check, apply, refusal, refresh."""
 
 from __future__ import annotations

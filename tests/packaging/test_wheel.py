@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The distribution wheel: built from the pinned upstream wheel, installable, verifiable."""
 
 from __future__ import annotations

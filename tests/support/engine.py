@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Helpers for tests through the real engine on CPU: tiny DSA checkpoints, LLM lifecycle, metrics."""
 
 from __future__ import annotations

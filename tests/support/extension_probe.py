@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Run by a CUDA-torch interpreter (the CUDA build environment): load an extracted
 `vllm/_hisparse_C.abi3.so` through `vllm.v1.hisparse.ops` and report, as JSON on
 stdout, what a GPU-less machine can check: the ops and their schemas, the errors

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Building csrc/ for the kernel tests: an nvcc compile check and the just-in-time torch ops."""
 
 from __future__ import annotations

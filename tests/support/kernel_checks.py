@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Production-shape checks of the HiSparse kernels against their torch references.
 
 Plain functions on torch and the overlay's own modules (no pytest, no vLLM), so that

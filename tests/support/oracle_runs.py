@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Runs the token-exact oracles compare: two agent turns through an in-process engine on CPU,
 under pressure with Hybrid HiSparse or all resident, and the replay that makes a reference
 compute every prompt in the same prefill chunks as the run it is compared with."""

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fused resolution plan's algorithm (csrc/hisparse_plan.h) built for the host: the
 // same phases, run one after another on one thread, for the CPU tests to compare with
 // the torch reference. Built by tests/support/plan_host.py with the C++ compiler.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused resolution plan's algorithm (csrc/hisparse_plan.h), built for the host with
 the C++ compiler and called through ctypes: the same phases the CUDA kernel runs, one
 after another, so the CPU tests hold them to the torch reference on every run."""

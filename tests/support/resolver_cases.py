@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Random resolver inputs with known true KV rows, and a list-based model of the contract."""
 
 from __future__ import annotations

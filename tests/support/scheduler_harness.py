@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vLLM's real Scheduler and KVCacheManager for a tiny GLM-5 model, with no model behind them.
 
 This module owns the test harness for scheduler-level integration tests (HiSparse

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a running `vllm serve` owns on this machine: its process tree and the shared memory it maps.
 
 For tests that kill part of a server and then check that nothing of it is left:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ray workers on vLLM's CPU platform (patch 0014, vllm/v1/executor/cpu_ray.py)."""
 
 from __future__ import annotations

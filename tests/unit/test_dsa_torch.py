@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plain-torch DSA ops against brute-force models of their contracts."""
 
 from __future__ import annotations

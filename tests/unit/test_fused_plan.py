@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fused plan kernel's algorithm (csrc/hisparse_plan.h, built for the host) decides
 exactly what the torch reference, plan_resolution, decides."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`--attention-config '{"hisparse_config": {...}}'`: parsing, validation, hashing."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vllm:hisparse_* Prometheus metrics from the scheduler's cumulative residency counters."""
 
 from __future__ import annotations

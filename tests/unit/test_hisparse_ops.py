@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Loading the compiled extension: on a CUDA host a missing or broken library stops start-up,
 naming its cause."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The host pool's memory: exactly the configured bytes in one mapping, checked against available RAM."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How HiSparse splits a DSA model's KV cache into groups."""
 
 from __future__ import annotations

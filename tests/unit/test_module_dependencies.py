@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """HiSparse's modules depend on each other one way, the way data flows.
 
 Every import counts, a lazy one inside a function too: config and the plan's

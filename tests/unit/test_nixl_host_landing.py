@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The descriptors NixlConnector's host landing reads with: layers located in the
 registered regions, and each landed page of each layer read from the remote block
 that holds it into its host page.

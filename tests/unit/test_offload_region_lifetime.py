@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The tiering offload region's name is gone once its last process has mapped it.
 
 Patch 0012: the workers create /dev/shm/vllm_offload_<engine id>.mmap, the

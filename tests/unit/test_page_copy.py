@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The batched page copy's torch reference against a page-by-page model of its contract."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The patch series as files: format, headers, ownership, strict application."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The capacity planner (`python -m vllm.v1.hisparse.capacity plan`) on GLM-5's published shapes.
 
 Planning needs no engine: these build vLLM's configs and KV cache configs for the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The HiSparse residency state machine under random operation sequences."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The HiSparse resolver reference against a brute-force model of its contract."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One host pool per node, shared by its tensor-parallel ranks (host_memory + pool_placement).
 
 Ranks are played by threads of this process with a real collective stand-in: each

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The capacity simulator's step-time model: its arithmetic and its constants file."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The worker's step reports: copies and counters come back once the step's work is done."""
 
 from __future__ import annotations

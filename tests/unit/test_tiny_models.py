@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """scripts/tiny_models.py: tiny GLM-5 / DeepSeek-V3.2 checkpoints built locally, deterministically."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The largest token id vLLM accepts is the tokenizer's last id (patch 0013).
 
 The tiny models' tokenizer has exactly the model's vocabulary, the case where

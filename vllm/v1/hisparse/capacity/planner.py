@@ -1439,7 +1439,7 @@ def request_from_args(args: argparse.Namespace, defaults: argparse.Namespace | N
             attention_config = {**attention_config, "hisparse_config": {**settings, **(ours or {})}}
         if given is not None:
             kv_transfer = offloading_connector_config(given)
-    if not attention_config.get("hisparse_config"):
+    if not args.attention_config and "hisparse_config" not in attention_config:
         raise PlannerError(
             "--attention-config is required (in --serve-command or on its own), with the deployment's "
             'hisparse_config, e.g. \'{"hisparse_config":{"host_pool_gib":384}}\' (or vLLM 0.30\'s '
