@@ -17,3 +17,22 @@ def test_every_source_file_starts_with_an_spdx_license_identifier():
     missing = [f for f in files if "SPDX-License-Identifier: Apache-2.0" not in
                "".join((REPO / f).read_text().splitlines(keepends=True)[:3])]  # fmt: skip
     assert not missing, f"without an SPDX header in their first lines: {missing}"
+
+
+def test_the_architecture_doc_states_the_plan_version_the_code_uses():
+    import re
+
+    from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION
+
+    text = (REPO / "docs" / "architecture.md").read_text()
+    stated = re.findall(r"`HISPARSE_PLAN_VERSION` (\d+)", text)
+    assert stated and {int(v) for v in stated} == {HISPARSE_PLAN_VERSION}, stated
+
+
+def test_documents_link_the_one_gpu_status_section_instead_of_repeating_it():
+    kernels = (REPO / "docs" / "kernels.md").read_text()
+    assert "## GPU status" in kernels
+    for doc in ("README.md", "RELEASE_NOTES.md", "docs/deploy.md", "docs/architecture.md"):
+        text = (REPO / doc).read_text()
+        assert "kernels.md#gpu-status" in text, f"{doc} links docs/kernels.md's GPU status"
+        assert "not run on a GPU in our test bed" not in text, f"{doc} repeats the GPU caveat"
