@@ -22,6 +22,21 @@ new tokens) and bytes moved between host and device. The claims are ratios to
 `offload` at the same concurrency, measured in the same invocation; absolute
 times on a shared CPU are not claims. Writes results.json and pareto.png
 (per-user tokens/s against output tokens/s) into --out.
+
+Against a real deployment: `--base-url URL --model NAME` runs the same sessions
+against any OpenAI-compatible server (token-id prompts below --vocab-size) instead
+of starting one. Such a server runs one configuration, so the run is labelled with
+`--configs`' single entry (default `external`) and compared with nothing; run the
+benchmark once per deployment and compare their results. Figures from the server's
+/metrics (running requests, preemptions, bytes moved) are read when it exports them.
+
+Each run also carries `vllm bench serve`'s fields and units where they overlap
+(`duration`, `completed`, `total_input_tokens`, `total_output_tokens`,
+`request_throughput`, `output_throughput`, `mean_ttft_ms`, `median_ttft_ms`,
+`p99_ttft_ms`, `mean_tpot_ms`, `median_tpot_ms`, `p99_tpot_ms`). The Pareto plot is
+drawn here: `vllm bench sweep plot_pareto` reads the result folders of
+`vllm bench sweep serve`, whose runs are one server configuration each at fixed
+request rates, not closed-loop multi-turn sessions of several configurations.
 """
 
 from __future__ import annotations
@@ -134,6 +149,19 @@ class Run:
     staging_rows_short: float = 0.0
     host_syncs_per_step: float = 0.0
     ratios_to_baseline: dict[str, float] = field(default_factory=dict)
+    # `vllm bench serve`'s fields and units (milliseconds) where they overlap.
+    duration: float = 0.0
+    completed: int = 0
+    total_input_tokens: int = 0
+    total_output_tokens: int = 0
+    request_throughput: float = 0.0
+    output_throughput: float = 0.0
+    mean_ttft_ms: float = 0.0
+    median_ttft_ms: float = 0.0
+    p99_ttft_ms: float = 0.0
+    mean_tpot_ms: float = 0.0
+    median_tpot_ms: float = 0.0
+    p99_tpot_ms: float = 0.0
 
 
 def serve_args(config: str, args: argparse.Namespace, engine_id: str) -> list[str]:
@@ -156,9 +184,39 @@ def serve_args(config: str, args: argparse.Namespace, engine_id: str) -> list[st
     return common + connector + ["--attention-config", json.dumps(hisparse)]
 
 
-def run_session(server: VllmServer, session: int, shape: Shape, results: list, failed: list) -> None:
+class ExternalServer(VllmServer):
+    """A server this benchmark did not start: only its OpenAI-compatible API and /metrics."""
+
+    def __init__(self, base_url: str, served_name: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.served_name = served_name
+        self.engine_id = ""
+        self.process = None
+
+    def url(self, path: str) -> str:
+        return f"{self.base_url}{path}"
+
+    def start(self) -> None:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url("/v1/models"), timeout=30) as response:
+            served = [m.get("id") for m in json.loads(response.read()).get("data", ())]
+        if self.served_name not in served:
+            raise RuntimeError(f"{self.base_url} serves {served}, not --model {self.served_name!r}")
+
+    def stop(self) -> None:
+        pass
+
+    def metrics(self) -> str:
+        try:
+            return super().metrics()
+        except SERVER_ERRORS:
+            return ""  # a gateway may not expose /metrics: those figures stay 0
+
+
+def run_session(server: VllmServer, session: int, shape: Shape, results: list, failed: list,
+                vocab: int = MODEL.vocab_size) -> None:
     rng = random.Random(7000 + session)
-    vocab = MODEL.vocab_size
     prompt = [rng.randrange(3, vocab) for _ in range(shape.first_turn_tokens)]
     history = 0  # tokens an earlier turn already computed (prompt and answer)
     for turn in range(shape.turns):
@@ -185,7 +243,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(config: str, concurrency: int, shape: Shape, model: Path, args: argparse.Namespace) -> Run:
+def measure(config: str, concurrency: int, shape: Shape, model: Path | None, args: argparse.Namespace) -> Run:
     engine_id = f"hisparse-bench-{uuid.uuid4().hex[:8]}"
     log_path = args.out / "logs" / f"{config}-c{concurrency}.log"
     # Sessions longer than the tiny model's positions (--scale above about 1/20): its plain
@@ -195,7 +253,11 @@ def measure(config: str, concurrency: int, shape: Shape, model: Path, args: argp
     env = {"VLLM_HISPARSE_DEBUG_METRICS": "1"}
     if long:
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    server = VllmServer(model, SERVED_NAME, serve_args(config, args, engine_id), log_path, engine_id, env)
+    if args.base_url:
+        server: VllmServer = ExternalServer(args.base_url, args.model)
+    else:
+        server = VllmServer(model, SERVED_NAME, serve_args(config, args, engine_id), log_path, engine_id, env)
+    vocab = args.vocab_size if args.base_url else MODEL.vocab_size
     run = Run(config, concurrency)
     results: list[tuple[Completion, int, int]] = []  # (completion, new prompt tokens, turn)
     samples: list[float] = []
@@ -207,7 +269,8 @@ def measure(config: str, concurrency: int, shape: Shape, model: Path, args: argp
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             for future in [
-                pool.submit(run_session, server, s, shape, results, run.failed) for s in range(concurrency)
+                pool.submit(run_session, server, s, shape, results, run.failed, vocab)
+                for s in range(concurrency)
             ]:
                 future.result()
         run.wall_s = time.monotonic() - start
@@ -247,14 +310,34 @@ def measure(config: str, concurrency: int, shape: Shape, model: Path, args: argp
         text, "vllm:kv_offload_load_bytes_total"
     )
     run.pages_demoted = metric(text, "vllm:hisparse_pages_demoted_total")
+    add_bench_serve_fields(run, results)
     add_work_counters(run, text)
     return run
+
+
+def add_bench_serve_fields(run: Run, results: list) -> None:
+    """`vllm bench serve`'s figures (times in milliseconds) from the same requests."""
+    done = [c for c, _, _ in results]
+    ttfts = [c.ttft_s * 1e3 for c in done]
+    tpots = [c.decode_s * 1e3 / (len(c.token_ids) - 1) for c in done if len(c.token_ids) > 1]
+    run.duration = run.wall_s
+    run.completed = len(done)
+    run.total_input_tokens = sum(c.prompt_tokens for c in done)
+    run.total_output_tokens = run.output_tokens
+    run.request_throughput = run.completed / run.wall_s if run.wall_s else 0.0
+    run.output_throughput = run.output_tokens_per_s
+    if ttfts:
+        run.mean_ttft_ms, run.median_ttft_ms = statistics.fmean(ttfts), statistics.median(ttfts)
+        run.p99_ttft_ms = percentile(ttfts, 0.99)
+    if tpots:
+        run.mean_tpot_ms, run.median_tpot_ms = statistics.fmean(tpots), statistics.median(tpots)
+        run.p99_tpot_ms = percentile(tpots, 0.99)
 
 
 def add_work_counters(run: Run, text: str) -> None:
     """The data path's work per engine step, from the server's HiSparse counters."""
     run.engine_steps = metric(text, "vllm:iteration_tokens_total_count")
-    if run.config not in ("hybrid", "always"):
+    if run.config in ("preemption", "offload"):
         return
     forward_steps = metric(text, "vllm:hisparse_forward_steps_total")
     layered = forward_steps * MODEL.num_hidden_layers
@@ -332,7 +415,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="turns per session (default 4; the announcement's 13)")
     parser.add_argument("--concurrency", default=QUICK["concurrency"],
                         help="comma-separated concurrent sessions to sweep (default 2,4)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    parser.add_argument("--configs", default=None,
+                        help=f"subset of {','.join(CONFIGS)} (default: all); "
+                        "with --base-url, the run's label (default: external)")
+    parser.add_argument("--base-url", default=None,
+                        help="run against this OpenAI-compatible server instead of starting one")
+    parser.add_argument("--model", default=None, help="with --base-url: the served model name")
+    parser.add_argument("--vocab-size", type=int, default=32_000,
+                        help="with --base-url: prompt token ids are drawn below this (default 32000)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each configuration per concurrency, in alternating order; the "
                              "fastest is reported, every one is kept in results.json (default 1)")
@@ -352,10 +442,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     except ValueError:
         parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
-    args.configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown or not args.configs:
-        parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if args.base_url:
+        if not args.model:
+            parser.error("--base-url needs --model, the name the server serves")
+        # One server, one configuration: --configs only labels the run.
+        args.configs = [c for c in (args.configs or "external").split(",") if c]
+        if len(args.configs) != 1:
+            parser.error("--base-url runs one configuration: give --configs one label (or none)")
+        if args.vocab_size < 4:
+            parser.error("--vocab-size must be >= 4")
+        args.warmup = False
+        args.scheduler_steps = False
+    else:
+        if args.model:
+            parser.error("--model names the served model of --base-url; without it the tiny model is served")
+        args.configs = [c for c in (args.configs or ",".join(CONFIGS)).split(",") if c]
+        unknown = [c for c in args.configs if c not in CONFIGS]
+        if unknown or not args.configs:
+            parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     if min(args.concurrency) < 1 or args.turns < 1 or args.repeats < 1:
         parser.error("--concurrency, --turns and --repeats must be >= 1")
     if args.first_turn_tokens is not None and args.first_turn_tokens < MIN_TURN_TOKENS:
@@ -371,12 +475,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shape = Shape.scaled(args.scale, args.turns, args.first_turn_tokens)
-    model = tiny_models.tiny_model_dir(MODEL, CACHE / "tiny-models")
+    model = None if args.base_url else tiny_models.tiny_model_dir(MODEL, CACHE / "tiny-models")
     args.out.mkdir(parents=True, exist_ok=True)
+    where = (f"against {args.base_url} ({args.model})" if args.base_url
+             else f"KV cache {args.kv_cache_bytes / (1 << 20):.1f} MiB")  # fmt: skip
     print(f"Agentic benchmark: {shape.turns} turns, first turn {shape.first_turn_tokens} tokens, later turns "
-          f"{shape.turn_tokens} in / {shape.output_tokens} out (scale {args.scale:g}); KV cache "
-          f"{args.kv_cache_bytes / (1 << 20):.1f} MiB; configs {', '.join(args.configs)}; concurrency "
-          f"{', '.join(map(str, args.concurrency))}", flush=True)
+          f"{shape.turn_tokens} in / {shape.output_tokens} out (scale {args.scale:g}); {where}; configs "
+          f"{', '.join(args.configs)}; concurrency {', '.join(map(str, args.concurrency))}", flush=True)
     if args.warmup:
         # The first server of a run pays for cold caches (bytecode, files): not a configuration's cost.
         print("  warm-up (discarded) ...", end=" ", flush=True)
@@ -422,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    context {context:>6}: {row['mean_ms']:.2f} ms/step, {row['host_pages']} host pages",
                   flush=True)
     result = {"shape": asdict(shape), "scale": args.scale, "kv_cache_bytes": args.kv_cache_bytes,
+              "base_url": args.base_url, "model": args.model or SERVED_NAME,
               "baseline": BASELINE, "repeats": args.repeats, "runs": [asdict(r) for r in runs],
               "all_runs": [asdict(r) for r in all_runs], "scheduler_steps": scheduling}
     (args.out / "results.json").write_text(json.dumps(result, indent=2))

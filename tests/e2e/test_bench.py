@@ -55,3 +55,53 @@ def test_the_benchmark_measures_the_baseline_and_hybrid_side_by_side(tmp_path):
         assert ratio == pytest.approx(runs["hybrid"][name] / runs["offload"][name])
     assert set(runs["offload"]["ratios_to_baseline"].values()) == {1.0}
     assert (out / "pareto.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_the_benchmark_runs_against_a_separately_started_server_and_reports_bench_serve_fields(tmp_path):
+    """`--base-url` and `--model`: the sessions against a server the benchmark did not start,
+    labelled with --configs' one entry, with `vllm bench serve`'s fields in its units."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import tiny_models
+    from serving import VllmServer
+
+    model = tiny_models.tiny_model_dir(tiny_models.TINY_GLM53, REPO / ".cache" / "tiny-models")
+    args = ["--max-model-len", "2048", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
+            "--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": 0.1}})]  # fmt: skip
+    server = VllmServer(model, "deployed-glm", args, tmp_path / "server.log",
+                        env={"VLLM_HISPARSE_DEBUG_METRICS": "1"})  # fmt: skip
+    server.start()
+    try:
+        out = tmp_path / "bench"
+        done = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / "agentic.py"), "--base-url", server.url(""),
+             "--model", "deployed-glm", "--configs", "hybrid-node-a", "--vocab-size", "500",
+             "--concurrency", "2", "--turns", "2", "--scale", "0.0125", "--out", str(out)],
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text())
+    assert result["base_url"] == server.url("") and result["model"] == "deployed-glm"
+    (run,) = result["runs"]
+    assert run["config"] == "hybrid-node-a" and run["requests"] == 4 and not run["failed"]
+    assert run["completed"] == 4 and run["total_output_tokens"] == 4 * 16
+    assert run["total_input_tokens"] == 2 * 927 + 2 * (927 + 16 + 16), "each turn's whole prompt"
+    assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] and run["mean_ttft_ms"] > 0
+    assert run["median_tpot_ms"] > 0 and run["output_throughput"] == run["output_tokens_per_s"]
+    assert run["duration"] == run["wall_s"] and run["request_throughput"] == pytest.approx(4 / run["wall_s"])
+    assert run["mean_running"] > 0, "the server's /metrics were read"
+    assert run["ratios_to_baseline"] == {}, "one deployment: compared with nothing"
+    assert (out / "pareto.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_base_url_needs_a_model_and_one_label(capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import agentic
+
+    for argv, named in ((["--base-url", "http://x"], "needs --model"),
+                        (["--base-url", "http://x", "--model", "m", "--configs", "a,b"], "one configuration"),
+                        (["--model", "m"], "--model names the served model")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            agentic.parse_args(argv)
+        assert named in capsys.readouterr().err
