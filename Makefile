@@ -5,23 +5,27 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup test lint demo wheel image bench stress clean
+.PHONY: setup test test-fast lint demo wheel image bench stress clean
 
 ## setup: build this machine's distribution wheel and install it into .venv (idempotent)
 setup:
 	$(PYTHON) scripts/setup_env.py $(if $(FORCE),--force,)
 
 ## test: setup, then lint and the whole CPU test suite (GPU tests skip without CUDA)
-test: setup
-	$(VENV_PY) -m ruff check .
+test: lint
 	$(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+## test-fast: setup, then the unit and integration tests only (a few minutes; CI runs `make test`)
+test-fast: setup
+	$(VENV_PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
 ## stress: setup, then the scheduler-level stress harness with SEEDS seeds per configuration
 stress: setup
 	HISPARSE_STRESS_SEEDS=$(or $(SEEDS),50) $(VENV_PY) -m pytest tests/integration/test_hisparse_stress.py
 
+## lint: setup, then .pre-commit-config.yaml's hooks over the repository (offline: .venv's tools)
 lint: setup
-	$(VENV_PY) -m ruff check .
+	PRE_COMMIT_HOME=.cache/pre-commit .venv/bin/pre-commit run --all-files --show-diff-on-failure
 
 ## wheel: the full distribution wheel in dist/ (FLAVOUR=cpu|cuda, default: this machine's)
 wheel:

@@ -214,8 +214,9 @@ class ExternalServer(VllmServer):
             return ""  # a gateway may not expose /metrics: those figures stay 0
 
 
-def run_session(server: VllmServer, session: int, shape: Shape, results: list, failed: list,
-                vocab: int = MODEL.vocab_size) -> None:
+def run_session(
+    server: VllmServer, session: int, shape: Shape, results: list, failed: list, vocab: int = MODEL.vocab_size
+) -> None:
     rng = random.Random(7000 + session)
     prompt = [rng.randrange(3, vocab) for _ in range(shape.first_turn_tokens)]
     history = 0  # tokens an earlier turn already computed (prompt and answer)
@@ -361,8 +362,13 @@ def add_work_counters(run: Run, text: str) -> None:
 
 
 RATIO_FIELDS = (
-    "output_tokens_per_s", "per_user_tokens_per_s", "mean_running", "ttft_p50_s", "ttft_p99_s",
-    "later_turn_ttft_p50_s", "later_turn_ttft_p99_s",
+    "output_tokens_per_s",
+    "per_user_tokens_per_s",
+    "mean_running",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "later_turn_ttft_p50_s",
+    "later_turn_ttft_p99_s",
 )
 
 
@@ -405,38 +411,81 @@ def plot(runs: list[Run], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="agentic.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=QUICK["scale"],
-                        help="token counts of the announcement's sessions times this (default 1/40; "
-                             f"each turn keeps at least {MIN_TURN_TOKENS} tokens)")
-    parser.add_argument("--first-turn-tokens", type=int, default=None,
-                        help="the first turn's tokens instead of its scaled length (e.g. later turns of "
-                             "256 tokens, --scale 0.34, without a 25K-token first turn)")
-    parser.add_argument("--turns", type=int, default=QUICK["turns"],
-                        help="turns per session (default 4; the announcement's 13)")
-    parser.add_argument("--concurrency", default=QUICK["concurrency"],
-                        help="comma-separated concurrent sessions to sweep (default 2,4)")
-    parser.add_argument("--configs", default=None,
-                        help=f"subset of {','.join(CONFIGS)} (default: all); "
-                        "with --base-url, the run's label (default: external)")
-    parser.add_argument("--base-url", default=None,
-                        help="run against this OpenAI-compatible server instead of starting one")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=QUICK["scale"],
+        help="token counts of the announcement's sessions times this (default 1/40; "
+        f"each turn keeps at least {MIN_TURN_TOKENS} tokens)",
+    )
+    parser.add_argument(
+        "--first-turn-tokens",
+        type=int,
+        default=None,
+        help="the first turn's tokens instead of its scaled length (e.g. later turns of "
+        "256 tokens, --scale 0.34, without a 25K-token first turn)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=QUICK["turns"],
+        help="turns per session (default 4; the announcement's 13)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=QUICK["concurrency"],
+        help="comma-separated concurrent sessions to sweep (default 2,4)",
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"subset of {','.join(CONFIGS)} (default: all); "
+        "with --base-url, the run's label (default: external)",
+    )
+    parser.add_argument(
+        "--base-url", default=None, help="run against this OpenAI-compatible server instead of starting one"
+    )
     parser.add_argument("--model", default=None, help="with --base-url: the served model name")
-    parser.add_argument("--vocab-size", type=int, default=32_000,
-                        help="with --base-url: prompt token ids are drawn below this (default 32000)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each configuration per concurrency, in alternating order; the "
-                             "fastest is reported, every one is kept in results.json (default 1)")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the discarded warm-up server run before the measurements")
-    parser.add_argument("--no-scheduler-steps", dest="scheduler_steps", action="store_false",
-                        help="skip the per-step scheduling time sweep (benchmarks/scheduler_steps.py)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=QUICK["kv_cache_bytes"],
-                        help="device KV cache bytes, the same for every configuration (default 24 MiB)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32_000,
+        help="with --base-url: prompt token ids are drawn below this (default 32000)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each configuration per concurrency, in alternating order; the "
+        "fastest is reported, every one is kept in results.json (default 1)",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the discarded warm-up server run before the measurements",
+    )
+    parser.add_argument(
+        "--no-scheduler-steps",
+        dest="scheduler_steps",
+        action="store_false",
+        help="skip the per-step scheduling time sweep (benchmarks/scheduler_steps.py)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=QUICK["kv_cache_bytes"],
+        help="device KV cache bytes, the same for every configuration (default 24 MiB)",
+    )
     parser.add_argument("--host-pool-gib", type=float, default=0.1, help="HiSparse host pool (GiB)")
     parser.add_argument("--offload-bytes", type=int, default=64 << 20, help="OffloadingConnector host bytes")
     parser.add_argument("--spec", default="TieringOffloadingSpec", help="OffloadingConnector spec_name")
-    parser.add_argument("--out", type=Path, default=RESULTS / time.strftime("%Y%m%d-%H%M%S"),
-                        help="output folder (default benchmarks/results/<date-time>)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / time.strftime("%Y%m%d-%H%M%S"),
+        help="output folder (default benchmarks/results/<date-time>)",
+    )
     args = parser.parse_args(argv)
     try:
         args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
@@ -479,9 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     where = (f"against {args.base_url} ({args.model})" if args.base_url
              else f"KV cache {args.kv_cache_bytes / (1 << 20):.1f} MiB")  # fmt: skip
-    print(f"Agentic benchmark: {shape.turns} turns, first turn {shape.first_turn_tokens} tokens, later turns "
-          f"{shape.turn_tokens} in / {shape.output_tokens} out (scale {args.scale:g}); {where}; configs "
-          f"{', '.join(args.configs)}; concurrency {', '.join(map(str, args.concurrency))}", flush=True)
+    print(
+        f"Agentic benchmark: {shape.turns} turns, first turn {shape.first_turn_tokens} tokens, later turns "
+        f"{shape.turn_tokens} in / {shape.output_tokens} out (scale {args.scale:g}); {where}; configs "
+        f"{', '.join(args.configs)}; concurrency {', '.join(map(str, args.concurrency))}",
+        flush=True,
+    )
     if args.warmup:
         # The first server of a run pays for cold caches (bytecode, files): not a configuration's cost.
         print("  warm-up (discarded) ...", end=" ", flush=True)
@@ -505,11 +557,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"failed: {e} (log: {args.out / 'logs'})", file=sys.stderr)
                     return 1
                 tried[config].append(run)
-                print(f"{run.output_tokens_per_s:.1f} tok/s, {run.per_user_tokens_per_s:.1f} tok/s/user, "
-                      f"running {run.mean_running:.2f}, preemptions {run.preemptions:.0f}, recomputed "
-                      f"{run.recomputed_prompt_tokens:.0f}, steps {run.engine_steps:.0f}, TTFT p50 "
-                      f"first turn {run.first_turn_ttft_p50_s:.2f} s, later turns "
-                      f"{run.later_turn_ttft_p50_s:.2f} s", flush=True)
+                print(
+                    f"{run.output_tokens_per_s:.1f} tok/s, {run.per_user_tokens_per_s:.1f} tok/s/user, "
+                    f"running {run.mean_running:.2f}, preemptions {run.preemptions:.0f}, recomputed "
+                    f"{run.recomputed_prompt_tokens:.0f}, steps {run.engine_steps:.0f}, TTFT p50 "
+                    f"first turn {run.first_turn_ttft_p50_s:.2f} s, later turns "
+                    f"{run.later_turn_ttft_p50_s:.2f} s",
+                    flush=True,
+                )
         for config in args.configs:
             # Interference on a shared machine only slows a run down: keep each one's fastest.
             runs.append(max(tried[config], key=lambda r: r.output_tokens_per_s))
@@ -519,17 +574,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.scheduler_steps:
         import scheduler_steps
 
-        print("  per-step scheduling time, batch of "
-              f"{scheduler_steps.BATCH} under pressure (scheduler harness, no model):", flush=True)
+        print(
+            "  per-step scheduling time, batch of "
+            f"{scheduler_steps.BATCH} under pressure (scheduler harness, no model):",
+            flush=True,
+        )
         for context in scheduler_steps.CONTEXTS:
             row = scheduler_steps.measure(context)
             scheduling.append(row)
-            print(f"    context {context:>6}: {row['mean_ms']:.2f} ms/step, {row['host_pages']} host pages",
-                  flush=True)
-    result = {"shape": asdict(shape), "scale": args.scale, "kv_cache_bytes": args.kv_cache_bytes,
-              "base_url": args.base_url, "model": args.model or SERVED_NAME,
-              "baseline": BASELINE, "repeats": args.repeats, "runs": [asdict(r) for r in runs],
-              "all_runs": [asdict(r) for r in all_runs], "scheduler_steps": scheduling}
+            print(
+                f"    context {context:>6}: {row['mean_ms']:.2f} ms/step, {row['host_pages']} host pages",
+                flush=True,
+            )
+    result = {
+        "shape": asdict(shape),
+        "scale": args.scale,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "base_url": args.base_url,
+        "model": args.model or SERVED_NAME,
+        "baseline": BASELINE,
+        "repeats": args.repeats,
+        "runs": [asdict(r) for r in runs],
+        "all_runs": [asdict(r) for r in all_runs],
+        "scheduler_steps": scheduling,
+    }
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
     plot(runs, args.out / "pareto.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'pareto.png'}")

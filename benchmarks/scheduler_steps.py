@@ -103,8 +103,11 @@ def sweep(contexts=CONTEXTS) -> list[dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scheduler_steps.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
-                        help="comma-separated tokens per request (default %(default)s)")
+    parser.add_argument(
+        "--contexts",
+        default=",".join(map(str, CONTEXTS)),
+        help="comma-separated tokens per request (default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -115,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     for context in contexts:
         row = measure(context)
         rows.append(row)
-        print(f"context {context:>6}: {row['mean_ms']:.2f} ms/step (p90 {row['p90_ms']:.2f}), "
-              f"{row['host_pages']} host pages, {row['device_pages']} device pages", flush=True)
+        print(
+            f"context {context:>6}: {row['mean_ms']:.2f} ms/step (p90 {row['p90_ms']:.2f}), "
+            f"{row['host_pages']} host pages, {row['device_pages']} device pages",
+            flush=True,
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

@@ -32,7 +32,8 @@ void check_error_word(const at::Tensor& error) {
 }
 
 void check_same_device(const at::Tensor& t, const at::Tensor& like, const char* name) {
-  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device());
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ",
+              like.device());
 }
 
 // The device address of host memory the kernels read through its mapping, from the driver's
@@ -45,7 +46,8 @@ const void* mapped_host_pointer(const at::Tensor& host, const char* name) {
   if (status != cudaSuccess) {
     (void)cudaGetLastError();  // pageable memory on older drivers: not a sticky error
   }
-  TORCH_CHECK(status == cudaSuccess && attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr,
+  TORCH_CHECK(status == cudaSuccess && attributes.type == cudaMemoryTypeHost &&
+                  attributes.devicePointer != nullptr,
               name, " must be pinned or CUDA-registered (mapped) host memory");
   return attributes.devicePointer;
 }
@@ -58,10 +60,12 @@ void check_copy_host_rows(const at::Tensor& kv_rows, const at::Tensor& dst_rows,
   TORCH_CHECK(kv_rows.dim() == 2 && kv_rows.stride(1) == 1,
               "kv_rows must be rows [rows, width] with contiguous columns, got ", kv_rows.sizes());
   TORCH_CHECK(host_rows.dim() == 2 && host_rows.stride(1) == 1,
-              "host_rows must be rows [rows, width] with contiguous columns, got ", host_rows.sizes());
-  TORCH_CHECK(kv_rows.size(1) * kv_rows.element_size() == host_rows.size(1) * host_rows.element_size(),
-              "kv_rows rows are ", kv_rows.size(1) * kv_rows.element_size(), " bytes, host_rows rows ",
-              host_rows.size(1) * host_rows.element_size());
+              "host_rows must be rows [rows, width] with contiguous columns, got ",
+              host_rows.sizes());
+  TORCH_CHECK(
+      kv_rows.size(1) * kv_rows.element_size() == host_rows.size(1) * host_rows.element_size(),
+      "kv_rows rows are ", kv_rows.size(1) * kv_rows.element_size(), " bytes, host_rows rows ",
+      host_rows.size(1) * host_rows.element_size());
   check_index(dst_rows, "dst_rows");
   check_index(src_rows, "src_rows");
   TORCH_CHECK(copy.scalar_type() == at::kBool && copy.dim() == 1 && copy.is_contiguous(),
@@ -70,16 +74,19 @@ void check_copy_host_rows(const at::Tensor& kv_rows, const at::Tensor& dst_rows,
               "dst_rows, src_rows and copy must have one entry each, got ", dst_rows.numel(), ", ",
               src_rows.numel(), " and ", copy.numel());
   check_error_word(error);
-  for (const auto* t : {&dst_rows, &src_rows, &copy, &error}) check_same_device(*t, kv_rows, "an index");
+  for (const auto* t : {&dst_rows, &src_rows, &copy, &error})
+    check_same_device(*t, kv_rows, "an index");
 }
 
-void copy_host_rows_meta(at::Tensor& kv_rows, const at::Tensor& dst_rows, const at::Tensor& host_rows,
-                         const at::Tensor& src_rows, const at::Tensor& copy, at::Tensor& error) {
+void copy_host_rows_meta(at::Tensor& kv_rows, const at::Tensor& dst_rows,
+                         const at::Tensor& host_rows, const at::Tensor& src_rows,
+                         const at::Tensor& copy, at::Tensor& error) {
   check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
 }
 
-void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows, const at::Tensor& host_rows,
-                         const at::Tensor& src_rows, const at::Tensor& copy, at::Tensor& error) {
+void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows,
+                         const at::Tensor& host_rows, const at::Tensor& src_rows,
+                         const at::Tensor& copy, at::Tensor& error) {
   check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
   TORCH_CHECK(kv_rows.is_cuda(), "kv_rows must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(kv_rows.device());
@@ -102,40 +109,45 @@ void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows, const 
 
 void copy_host_rows_cpu(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, at::Tensor&) {
-  TORCH_CHECK(false,
-              "_hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA tensors; for CPU tensors "
-              "call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows");
+  TORCH_CHECK(
+      false,
+      "_hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA tensors; for CPU tensors "
+      "call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows");
 }
 
 // kv_caches[l]: layer l's cache [num_blocks, block_size, width], contiguous pages (blocks may
 // stride further apart); host_pool: [num_layers, host_pages, block_size, width] contiguous;
 // block_ids: int64 [num_pages, num_layers]; host_pages: int64 [num_pages]; error: int64 [1].
 void check_copy_pages(const at::TensorList kv_caches, const at::Tensor& host_pool,
-                      const at::Tensor& block_ids, const at::Tensor& host_pages, const at::Tensor& error) {
+                      const at::Tensor& block_ids, const at::Tensor& host_pages,
+                      const at::Tensor& error) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(num_layers > 0, "kv_caches is empty");
   TORCH_CHECK(host_pool.dim() == 4 && host_pool.is_contiguous() && host_pool.size(0) == num_layers,
-              "host_pool must be a contiguous [", num_layers, ", host_pages, block_size, width] tensor, got ",
-              host_pool.sizes());
+              "host_pool must be a contiguous [", num_layers,
+              ", host_pages, block_size, width] tensor, got ", host_pool.sizes());
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor& cache = kv_caches[l];
-    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == host_pool.size(2) && cache.size(2) == host_pool.size(3),
-                "KV cache of layer ", l, " is ", cache.sizes(), "; pages must be [", host_pool.size(2), ", ",
-                host_pool.size(3), "] like the host pool's");
+    TORCH_CHECK(cache.dim() == 3 && cache.size(1) == host_pool.size(2) &&
+                    cache.size(2) == host_pool.size(3),
+                "KV cache of layer ", l, " is ", cache.sizes(), "; pages must be [",
+                host_pool.size(2), ", ", host_pool.size(3), "] like the host pool's");
     TORCH_CHECK(cache.scalar_type() == host_pool.scalar_type(), "KV cache of layer ", l, " is ",
                 cache.scalar_type(), ", the host pool ", host_pool.scalar_type());
     TORCH_CHECK(cache.stride(2) == 1 && cache.stride(1) == cache.size(2), "KV cache of layer ", l,
                 " must have contiguous pages");
     check_same_device(cache, kv_caches[0], "a KV cache");
   }
-  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 2 && block_ids.is_contiguous() &&
-                  block_ids.size(1) == num_layers,
-              "block_ids must be a contiguous int64 [num_pages, ", num_layers, "] tensor, got ", block_ids.sizes());
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.dim() == 2 &&
+                  block_ids.is_contiguous() && block_ids.size(1) == num_layers,
+              "block_ids must be a contiguous int64 [num_pages, ", num_layers, "] tensor, got ",
+              block_ids.sizes());
   check_index(host_pages, "host_pages");
   TORCH_CHECK(host_pages.numel() == block_ids.size(0), "block_ids has ", block_ids.size(0),
               " pages, host_pages ", host_pages.numel());
   check_error_word(error);
-  for (const auto* t : {&block_ids, &host_pages, &error}) check_same_device(*t, kv_caches[0], "an index");
+  for (const auto* t : {&block_ids, &host_pages, &error})
+    check_same_device(*t, kv_caches[0], "an index");
 }
 
 void copy_pages_meta(at::TensorList kv_caches, at::Tensor& host_pool, const at::Tensor& block_ids,
@@ -150,7 +162,8 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   const int64_t element = host_pool.element_size();
   // Per layer: block 0's device address, the bytes between blocks, the number of blocks.
-  auto layers = at::empty({3, num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto layers =
+      at::empty({3, num_layers}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* host_layers = layers.data_ptr<int64_t>();
   bool device_aligned16 = true;
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -158,7 +171,8 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
     host_layers[l] = reinterpret_cast<int64_t>(cache.data_ptr());
     host_layers[num_layers + l] = cache.stride(0) * element;
     host_layers[2 * num_layers + l] = cache.size(0);
-    device_aligned16 = device_aligned16 && host_layers[l] % 16 == 0 && host_layers[num_layers + l] % 16 == 0;
+    device_aligned16 =
+        device_aligned16 && host_layers[l] % 16 == 0 && host_layers[num_layers + l] % 16 == 0;
   }
   const c10::cuda::CUDAGuard guard(kv_caches[0].device());
   const auto device_layers = layers.to(kv_caches[0].device(), /*non_blocking=*/true);
@@ -183,7 +197,8 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
   C10_CUDA_CHECK(hisparse::launch_copy_pages(args, c10::cuda::getCurrentCUDAStream()));
 }
 
-void copy_pages_cpu(at::TensorList, at::Tensor&, const at::Tensor&, const at::Tensor&, bool, at::Tensor&) {
+void copy_pages_cpu(at::TensorList, at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
+                    at::Tensor&) {
   TORCH_CHECK(false,
               "_hisparse_C::copy_pages is the CUDA kernel and needs CUDA tensors; for CPU tensors "
               "call the torch reference, vllm.v1.hisparse.page_copy.copy_pages");
@@ -194,16 +209,18 @@ bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 // positions: int32 [T, K]; token_requests: int64 [T]; host_page_table: int64 [R, P];
 // table_rows, staging_slots: int64 [M]; hot_positions, hot_stamps: int64 [M, H];
 // flags: bool [2, T * K]; ints: int64 [5 * T * K + 4 + M] (see resolver.fused_plan_buffers).
-void check_plan(const at::Tensor& positions, const at::Tensor& token_requests, const at::Tensor& host_page_table,
-                const at::Tensor& table_rows, const at::Tensor& staging_slots, const at::Tensor& hot_positions,
-                const at::Tensor& hot_stamps, int64_t block_size, int64_t max_entries, int64_t hot_pad,
-                const at::Tensor& flags, const at::Tensor& ints) {
-  TORCH_CHECK(positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.is_contiguous(),
-              "positions must be a contiguous int32 [T, K] tensor, got ", positions.sizes(), " ",
-              positions.scalar_type());
+void check_plan(const at::Tensor& positions, const at::Tensor& token_requests,
+                const at::Tensor& host_page_table, const at::Tensor& table_rows,
+                const at::Tensor& staging_slots, const at::Tensor& hot_positions,
+                const at::Tensor& hot_stamps, int64_t block_size, int64_t max_entries,
+                int64_t hot_pad, const at::Tensor& flags, const at::Tensor& ints) {
+  TORCH_CHECK(
+      positions.scalar_type() == at::kInt && positions.dim() == 2 && positions.is_contiguous(),
+      "positions must be a contiguous int32 [T, K] tensor, got ", positions.sizes(), " ",
+      positions.scalar_type());
   const int64_t tokens = positions.size(0), topk = positions.size(1);
-  TORCH_CHECK(topk > 0, "positions must select at least one row per token (top-K > 0), got [", tokens, ", ", topk,
-              "]");
+  TORCH_CHECK(topk > 0, "positions must select at least one row per token (top-K > 0), got [",
+              tokens, ", ", topk, "]");
   check_index(token_requests, "token_requests");
   TORCH_CHECK(token_requests.numel() == tokens, "token_requests must have one entry per token");
   TORCH_CHECK(host_page_table.scalar_type() == at::kLong && host_page_table.dim() == 2 &&
@@ -214,41 +231,49 @@ void check_plan(const at::Tensor& positions, const at::Tensor& token_requests, c
   for (const auto* hot : {&hot_positions, &hot_stamps}) {
     TORCH_CHECK(hot->scalar_type() == at::kLong && hot->dim() == 2 && hot->is_contiguous() &&
                     hot->sizes() == hot_positions.sizes() && hot->size(0) == table_rows.numel(),
-                "hot_positions and hot_stamps must be contiguous int64 [M, H] tensors, M = table_rows' size");
+                "hot_positions and hot_stamps must be contiguous int64 [M, H] tensors, M = "
+                "table_rows' size");
   }
-  TORCH_CHECK(staging_slots.numel() == table_rows.numel(), "staging_slots must have one entry per request");
+  TORCH_CHECK(staging_slots.numel() == table_rows.numel(),
+              "staging_slots must have one entry per request");
   TORCH_CHECK(block_size > 0, "block_size must be positive");
-  TORCH_CHECK(power_of_two(max_entries) && max_entries >= topk && max_entries <= hisparse::kPlanMaxEntries,
-              "max_entries must be a power of two in [top-K, ", hisparse::kPlanMaxEntries, "], got ", max_entries);
-  TORCH_CHECK(power_of_two(hot_pad) && hot_pad >= hot_positions.size(1) && hot_pad <= hisparse::kPlanMaxHotRows,
-              "hot_pad must be a power of two in [H, ", hisparse::kPlanMaxHotRows, "], got ", hot_pad);
-  TORCH_CHECK(flags.scalar_type() == at::kBool && flags.is_contiguous() && flags.numel() == 2 * tokens * topk,
+  TORCH_CHECK(
+      power_of_two(max_entries) && max_entries >= topk && max_entries <= hisparse::kPlanMaxEntries,
+      "max_entries must be a power of two in [top-K, ", hisparse::kPlanMaxEntries, "], got ",
+      max_entries);
+  TORCH_CHECK(power_of_two(hot_pad) && hot_pad >= hot_positions.size(1) &&
+                  hot_pad <= hisparse::kPlanMaxHotRows,
+              "hot_pad must be a power of two in [H, ", hisparse::kPlanMaxHotRows, "], got ",
+              hot_pad);
+  TORCH_CHECK(flags.scalar_type() == at::kBool && flags.is_contiguous() &&
+                  flags.numel() == 2 * tokens * topk,
               "flags must be a contiguous bool [2, T * K] tensor");
   TORCH_CHECK(ints.scalar_type() == at::kLong && ints.is_contiguous() &&
                   ints.numel() == 5 * tokens * topk + 4 + table_rows.numel(),
               "ints must be a contiguous int64 [5 * T * K + 4 + M] tensor");
-  for (const auto* t : {&token_requests, &host_page_table, &table_rows, &staging_slots, &hot_positions, &hot_stamps,
-                        &flags, &ints}) {
+  for (const auto* t : {&token_requests, &host_page_table, &table_rows, &staging_slots,
+                        &hot_positions, &hot_stamps, &flags, &ints}) {
     check_same_device(*t, positions, "a plan tensor");
   }
 }
 
 void plan_resolution_meta(const at::Tensor& positions, const at::Tensor& token_requests,
                           const at::Tensor& host_page_table, const at::Tensor& table_rows,
-                          const at::Tensor& staging_slots, at::Tensor& hot_positions, at::Tensor& hot_stamps,
-                          int64_t block_size, int64_t, int64_t max_entries, int64_t hot_pad, at::Tensor& flags,
-                          at::Tensor& ints) {
-  check_plan(positions, token_requests, host_page_table, table_rows, staging_slots, hot_positions, hot_stamps,
-             block_size, max_entries, hot_pad, flags, ints);
+                          const at::Tensor& staging_slots, at::Tensor& hot_positions,
+                          at::Tensor& hot_stamps, int64_t block_size, int64_t, int64_t max_entries,
+                          int64_t hot_pad, at::Tensor& flags, at::Tensor& ints) {
+  check_plan(positions, token_requests, host_page_table, table_rows, staging_slots, hot_positions,
+             hot_stamps, block_size, max_entries, hot_pad, flags, ints);
 }
 
 void plan_resolution_cuda(const at::Tensor& positions, const at::Tensor& token_requests,
                           const at::Tensor& host_page_table, const at::Tensor& table_rows,
-                          const at::Tensor& staging_slots, at::Tensor& hot_positions, at::Tensor& hot_stamps,
-                          int64_t block_size, int64_t step, int64_t max_entries, int64_t hot_pad, at::Tensor& flags,
+                          const at::Tensor& staging_slots, at::Tensor& hot_positions,
+                          at::Tensor& hot_stamps, int64_t block_size, int64_t step,
+                          int64_t max_entries, int64_t hot_pad, at::Tensor& flags,
                           at::Tensor& ints) {
-  check_plan(positions, token_requests, host_page_table, table_rows, staging_slots, hot_positions, hot_stamps,
-             block_size, max_entries, hot_pad, flags, ints);
+  check_plan(positions, token_requests, host_page_table, table_rows, staging_slots, hot_positions,
+             hot_stamps, block_size, max_entries, hot_pad, flags, ints);
   TORCH_CHECK(positions.is_cuda(), "positions must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(positions.device());
   const int64_t entries = positions.numel();
@@ -286,11 +311,12 @@ void plan_resolution_cuda(const at::Tensor& positions, const at::Tensor& token_r
 }
 
 void plan_resolution_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-                         at::Tensor&, at::Tensor&) {
-  TORCH_CHECK(false,
-              "_hisparse_C::plan_resolution is the CUDA kernel and needs CUDA tensors; for CPU tensors "
-              "call the torch reference, vllm.v1.hisparse.resolver.plan_resolution");
+                         const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t,
+                         int64_t, at::Tensor&, at::Tensor&) {
+  TORCH_CHECK(
+      false,
+      "_hisparse_C::plan_resolution is the CUDA kernel and needs CUDA tensors; for CPU tensors "
+      "call the torch reference, vllm.v1.hisparse.resolver.plan_resolution");
 }
 
 }  // namespace
@@ -300,11 +326,14 @@ TORCH_LIBRARY(_hisparse_C, m) {
       "copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, Tensor host_rows, Tensor src_rows, "
       "Tensor copy, Tensor(b!) error) -> ()");
   m.def(
-      "copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, Tensor block_ids, Tensor host_pages, "
+      "copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, Tensor block_ids, Tensor "
+      "host_pages, "
       "bool to_host, Tensor(c!) error) -> ()");
   m.def(
-      "plan_resolution(Tensor positions, Tensor token_requests, Tensor host_page_table, Tensor table_rows, "
-      "Tensor staging_slots, Tensor(a!) hot_positions, Tensor(b!) hot_stamps, int block_size, int step, "
+      "plan_resolution(Tensor positions, Tensor token_requests, Tensor host_page_table, Tensor "
+      "table_rows, "
+      "Tensor staging_slots, Tensor(a!) hot_positions, Tensor(b!) hot_stamps, int block_size, int "
+      "step, "
       "int max_entries, int hot_pad, Tensor(c!) flags, Tensor(d!) ints) -> ()");
 }
 

@@ -37,12 +37,14 @@ __global__ void copy_pages_kernel(PageCopyArgs args) {
     if (threadIdx.x == 0) atomicOr(args.error, kErrorPageOutOfBounds);
     return;
   }
-  char* device_page = reinterpret_cast<char*>(args.layer_base[l]) + block * args.layer_block_stride[l];
+  char* device_page =
+      reinterpret_cast<char*>(args.layer_base[l]) + block * args.layer_block_stride[l];
   char* host_page =
       args.host_pool + l * args.host_layer_stride + host_page_index * args.host_page_stride;
   const word_t* src = reinterpret_cast<const word_t*>(args.to_host ? device_page : host_page);
   word_t* dst = reinterpret_cast<word_t*>(args.to_host ? host_page : device_page);
-  copy_words(dst, src, args.page_bytes / static_cast<int64_t>(sizeof(word_t)), threadIdx.x, blockDim.x);
+  copy_words(dst, src, args.page_bytes / static_cast<int64_t>(sizeof(word_t)), threadIdx.x,
+             blockDim.x);
 }
 
 bool aligned(int64_t value, int64_t alignment) { return value % alignment == 0; }
@@ -54,9 +56,8 @@ cudaError_t launch_copy_pages(const PageCopyArgs& args, cudaStream_t stream) {
   // 16-byte words when every page start is 16-byte aligned (the usual case: 64 rows
   // of a 576- or 656-byte latent), bytes otherwise.
   const bool wide = args.device_aligned16 && aligned(args.page_bytes, 16) &&
-              aligned(args.host_layer_stride, 16) &&
-              aligned(args.host_page_stride, 16) &&
-              aligned(reinterpret_cast<int64_t>(args.host_pool), 16);
+                    aligned(args.host_layer_stride, 16) && aligned(args.host_page_stride, 16) &&
+                    aligned(reinterpret_cast<int64_t>(args.host_pool), 16);
   const dim3 grid(static_cast<unsigned>(args.num_pages * args.num_layers));
   if (wide) {
     copy_pages_kernel<uint4><<<grid, kThreadsPerPageCopy, 0, stream>>>(args);

@@ -39,8 +39,8 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs args) {
 cudaError_t launch_plan(const PlanArgs& args, cudaStream_t stream) {
   if (args.num_requests == 0) return cudaSuccess;
   const int64_t bytes = plan_scratch_bytes(args.max_entries, args.hot_pad, args.topk);
-  cudaError_t status = cudaFuncSetAttribute(plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(bytes));
+  cudaError_t status = cudaFuncSetAttribute(
+      plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status != cudaSuccess) return status;
   plan_kernel<<<static_cast<unsigned>(args.num_requests), kPlanThreads, bytes, stream>>>(args);
   return cudaGetLastError();

@@ -37,7 +37,8 @@
 #define HS_FOR_THREADS(t) for (int t = threadIdx.x; t < kPlanThreads; t += blockDim.x)
 #define HS_SYNC() __syncthreads()
 #define HS_SINGLE if (threadIdx.x == 0)
-#define HS_ATOMIC_ADD(p, v) atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v))
+#define HS_ATOMIC_ADD(p, v) \
+  atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v))
 #define HS_ATOMIC_OR(p, v) atomicOr(p, v)
 #else
 #define HS_HD inline
@@ -61,22 +62,22 @@ constexpr int64_t kKeySentinel = (static_cast<int64_t>(0x7FFFFFFF) << 32) | 0xFF
 constexpr int64_t kEntryBits = 14;  // a request's entries in one step < 2**14
 constexpr int64_t kEntryMask = (static_cast<int64_t>(1) << kEntryBits) - 1;
 constexpr int64_t kCodeAndEntryMask = (static_cast<int64_t>(1) << 32) - 1;
-constexpr int64_t kSlotBits = 14;   // hot slots < 2**14 in an LRU key
+constexpr int64_t kSlotBits = 14;  // hot slots < 2**14 in an LRU key
 constexpr int64_t kSlotMask = (static_cast<int64_t>(1) << kSlotBits) - 1;
 constexpr int64_t kStampBits = 48;  // stamps + 1 < 2**48
 constexpr int64_t kSelectedBit = static_cast<int64_t>(1) << (kSlotBits + kStampBits);
 
 struct PlanArgs {
-  const int32_t* positions;       // [T, K]
-  const int64_t* token_requests;  // [T]: hot state row, -1 for a request without HOST pages
+  const int32_t* positions;        // [T, K]
+  const int64_t* token_requests;   // [T]: hot state row, -1 for a request without HOST pages
   const int64_t* host_page_table;  // [R, P]
-  const int64_t* table_rows;      // [M]
-  int64_t* hot_positions;         // [M, H], updated
-  int64_t* hot_stamps;            // [M, H], updated
-  const int64_t* staging_slots;   // [M]
+  const int64_t* table_rows;       // [M]
+  int64_t* hot_positions;          // [M, H], updated
+  int64_t* hot_stamps;             // [M, H], updated
+  const int64_t* staging_slots;    // [M]
   int64_t num_tokens, topk, num_requests, hot_rows, table_height, num_pages, block_size, step;
-  int64_t max_entries;            // >= any request's tokens x topk; a power of two
-  int64_t hot_pad;                // >= hot_rows; a power of two
+  int64_t max_entries;  // >= any request's tokens x topk; a power of two
+  int64_t hot_pad;      // >= hot_rows; a power of two
   // Outputs, zeroed by the caller, [T, K] flattened:
   bool* on_host;
   int64_t* entry_request;
@@ -85,8 +86,8 @@ struct PlanArgs {
   int64_t* load_request;
   int64_t* load_slot;
   int64_t* load_host_row;
-  int64_t* counts;               // [3]: rows loaded, hit, staged (added to)
-  unsigned long long* error;     // the step's error word (OR-ed into)
+  int64_t* counts;                    // [3]: rows loaded, hit, staged (added to)
+  unsigned long long* error;          // the step's error word (OR-ed into)
   unsigned long long* request_error;  // [M]: each request's own error word (OR-ed into)
 };
 
@@ -103,7 +104,8 @@ struct PlanScratch {
 };
 
 constexpr int64_t plan_scratch_bytes(int64_t max_entries, int64_t hot_pad, int64_t topk) {
-  return 8 * (max_entries + hot_pad + kPlanThreads + 1 + 4) + 4 * (max_entries + max_entries / topk + 1);
+  return 8 * (max_entries + hot_pad + kPlanThreads + 1 + 4) +
+         4 * (max_entries + max_entries / topk + 1);
 }
 
 HS_HD void bitonic_sort(int64_t* a, int64_t n) {
@@ -197,7 +199,8 @@ HS_HD void plan_request(const PlanArgs& a, int64_t m, const PlanScratch& s) {
   const int64_t chunk = (a.num_tokens + kPlanThreads - 1) / kPlanThreads;
   HS_FOR_THREADS(t) {
     int64_t count = 0;
-    bool stray = false;  // a token's request outside [-1, M): no request plans it, so it reads as resident
+    bool stray =
+        false;  // a token's request outside [-1, M): no request plans it, so it reads as resident
     for (int64_t i = t * chunk; i < a.num_tokens && i < (t + 1) * chunk; ++i) {
       const int64_t r = a.token_requests[i];
       count += r == m;
@@ -275,7 +278,8 @@ HS_HD void plan_request(const PlanArgs& a, int64_t m, const PlanScratch& s) {
           hi = mid;
         }
       }
-      const bool found = lo < a.hot_pad && s.held[lo] != kKeySentinel && key_position(s.held[lo]) == p;
+      const bool found =
+          lo < a.hot_pad && s.held[lo] != kKeySentinel && key_position(s.held[lo]) == p;
       code = found ? key_entry(s.held[lo]) : -1;
     }
     s.lanes[i] = static_cast<int32_t>(code);
@@ -284,14 +288,16 @@ HS_HD void plan_request(const PlanArgs& a, int64_t m, const PlanScratch& s) {
   HS_FOR(i, a.max_entries) {
     const int64_t key = s.keys[i];
     const int64_t code = s.lanes[i];
-    if (key != kKeySentinel) s.keys[i] = (key & ~kCodeAndEntryMask) | ((code + 2) << kEntryBits) | key_entry(key);
+    if (key != kKeySentinel)
+      s.keys[i] = (key & ~kCodeAndEntryMask) | ((code + 2) << kEntryBits) | key_entry(key);
     s.lanes[i] = code == -1 ? 1 : 0;
   }
   HS_SYNC();
 
   // 4. Eligible slots in LRU order: keys (selected, stamp + 1, slot), sorted ascending.
   HS_FOR(slot, a.hot_pad) {
-    s.held[slot] = slot < H ? (((a.hot_stamps[m * H + slot] + 1) << kSlotBits) | slot) : kKeySentinel;
+    s.held[slot] =
+        slot < H ? (((a.hot_stamps[m * H + slot] + 1) << kSlotBits) | slot) : kKeySentinel;
   }
   HS_SYNC();
   HS_FOR(i, a.max_entries) {

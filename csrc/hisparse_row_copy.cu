@@ -40,7 +40,8 @@ __global__ void copy_host_rows_kernel(RowCopyArgs args) {
     if (lane == 0) atomicOr(args.error, kErrorRowOutOfBounds);
     return;
   }
-  const word_t* src = reinterpret_cast<const word_t*>(args.host_rows + src_row * args.host_row_stride);
+  const word_t* src =
+      reinterpret_cast<const word_t*>(args.host_rows + src_row * args.host_row_stride);
   word_t* dst = reinterpret_cast<word_t*>(args.kv_rows + dst_row * args.kv_row_stride);
   copy_words(dst, src, args.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
 }
@@ -56,7 +57,8 @@ cudaError_t launch_copy_host_rows(const RowCopyArgs& args, cudaStream_t stream) 
                     aligned(reinterpret_cast<int64_t>(args.kv_rows)) &&
                     aligned(reinterpret_cast<int64_t>(args.host_rows));
   const int threads = 32 * kRowCopyWarpsPerBlock;
-  const dim3 grid(static_cast<unsigned>((args.n + kRowCopyWarpsPerBlock - 1) / kRowCopyWarpsPerBlock));
+  const dim3 grid(
+      static_cast<unsigned>((args.n + kRowCopyWarpsPerBlock - 1) / kRowCopyWarpsPerBlock));
   if (wide) {
     copy_host_rows_kernel<uint4><<<grid, threads, 0, stream>>>(args);
   } else {

@@ -14,15 +14,15 @@ namespace hisparse {
 constexpr int kRowCopyWarpsPerBlock = 8;
 
 struct RowCopyArgs {
-  char* kv_rows;             // the layer's KV cache rows on the device
-  int64_t kv_row_stride;     // bytes between consecutive rows of kv_rows
-  int64_t kv_num_rows;       // rows of kv_rows: a destination outside [0, kv_num_rows) is an error
-  const char* host_rows;     // the layer's host pool rows, mapped into the device address space
-  int64_t host_row_stride;   // bytes between consecutive host rows
-  int64_t host_num_rows;     // rows of host_rows: a source outside [0, host_num_rows) is an error
-  const int64_t* dst_rows;   // [n]: row of kv_rows each entry writes
-  const int64_t* src_rows;   // [n]: row of host_rows each entry reads
-  const bool* copy;          // [n]: which entries copy (a step's distinct misses)
+  char* kv_rows;            // the layer's KV cache rows on the device
+  int64_t kv_row_stride;    // bytes between consecutive rows of kv_rows
+  int64_t kv_num_rows;      // rows of kv_rows: a destination outside [0, kv_num_rows) is an error
+  const char* host_rows;    // the layer's host pool rows, mapped into the device address space
+  int64_t host_row_stride;  // bytes between consecutive host rows
+  int64_t host_num_rows;    // rows of host_rows: a source outside [0, host_num_rows) is an error
+  const int64_t* dst_rows;  // [n]: row of kv_rows each entry writes
+  const int64_t* src_rows;  // [n]: row of host_rows each entry reads
+  const bool* copy;         // [n]: which entries copy (a step's distinct misses)
   int64_t n;
   int64_t row_bytes;
   unsigned long long* error;  // the step's error word: kErrorRowOutOfBounds is OR-ed in

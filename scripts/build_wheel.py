@@ -94,7 +94,7 @@ def rewrite_metadata(text: str, pin: Pin, flavour: Flavour) -> str:
         elif line.startswith(REPLACED_HEADERS):
             continue
         elif flavour == "cpu" and line.startswith("Requires-Dist: "):
-            requirement = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: "):], maxsplit=1)[0]
+            requirement = re.split(r"[\s;<>=!~\[(]", line[len("Requires-Dist: ") :], maxsplit=1)[0]
             if requirement.lower() in CPU_DROPPED_REQUIREMENTS:
                 continue
         out.append(line)
@@ -129,8 +129,9 @@ def rewrite_wheel_tags(text: str, tag: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compose(upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavour,
-            extension: dict[str, bytes]) -> None:
+def compose(
+    upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavour, extension: dict[str, bytes]
+) -> None:
     old_info = f"{pin.upstream_distribution(flavour).replace('-', '_')}-{pin.version}.dist-info/"
     new_info = f"{pin.name}-{pin.distribution_version(flavour)}.dist-info/"
     targets = set(series.targets)
@@ -151,7 +152,7 @@ def compose(upstream: Path, out: Path, series: Series, pin: Pin, flavour: Flavou
                 continue
             data = src.read(name)
             if name.startswith(old_info):
-                name = new_info + name[len(old_info):]
+                name = new_info + name[len(old_info) :]
                 if name.endswith("/METADATA"):
                     data = rewrite_metadata(data.decode(), pin, flavour).encode()
                 elif name.endswith("/WHEEL"):
@@ -232,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavour", choices=("cpu", "cuda"), help="default: this machine's")
     parser.add_argument("--dist", type=Path, default=REPO / "dist", help="output folder")
-    parser.add_argument("--python", help="interpreter whose CUDA torch builds csrc/ (default: the cached "
-                        "CUDA build environment in .cache/cuda-build-env, created on first use)")
+    parser.add_argument(
+        "--python",
+        help="interpreter whose CUDA torch builds csrc/ (default: the cached "
+        "CUDA build environment in .cache/cuda-build-env, created on first use)",
+    )
     args = parser.parse_args(argv)
     try:
         build(args.flavour or machine_flavour(), args.dist, args.python)

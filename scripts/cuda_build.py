@@ -54,7 +54,9 @@ def find_cuda_home() -> Path:
     # nvcc on PATH may be a wrapper; its dry run names the directory the real one runs from.
     probe = subprocess.run(
         [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     match = re.search(r"^#\$ _HERE_=(.+)$", probe.stdout + probe.stderr, flags=re.M)
     home = Path(match[1]).parent if match else Path(nvcc).resolve().parent.parent
@@ -81,19 +83,25 @@ def ensure_build_env(torch_requirement: str) -> Path:
     python = BUILD_ENV / "bin" / "python"
     if python.is_file() and BUILD_ENV_STAMP.is_file() and BUILD_ENV_STAMP.read_text() == torch_requirement:
         return python
-    print(f"cuda build env: creating {BUILD_ENV} with the CUDA build of {torch_requirement} "
-          "(about 3 GB from the package index, once)", flush=True)
+    print(
+        f"cuda build env: creating {BUILD_ENV} with the CUDA build of {torch_requirement} "
+        "(about 3 GB from the package index, once)",
+        flush=True,
+    )
     shutil.rmtree(BUILD_ENV, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(BUILD_ENV)], check=True)
     # The machine's pip configuration may point at a CPU torch; the CUDA build comes from the index.
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": ""}
     done = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", torch_requirement, "setuptools", "wheel", "ninja"],
-        env=env, check=False,
+        env=env,
+        check=False,
     )
     cuda = subprocess.run(
         [str(python), "-c", "import torch; print(torch.version.cuda or '')"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0 or not cuda.stdout.strip():
         raise CudaBuildError(
@@ -111,8 +119,9 @@ def required_glibc(library: Path) -> tuple[int, int]:
     return max(versions, default=(2, 17))[:2]  # type: ignore[return-value]
 
 
-def build_extension(torch_requirement: str, workdir: Path, glibc_limit: tuple[int, int],
-                    python: str | None = None) -> dict[str, bytes]:
+def build_extension(
+    torch_requirement: str, workdir: Path, glibc_limit: tuple[int, int], python: str | None = None
+) -> dict[str, bytes]:
     """Compile csrc/ into {wheel path: bytes}; raises CudaBuildError when it cannot."""
     sources = sorted((REPO / "csrc").glob("*.cu")) + sorted((REPO / "csrc").glob("*.cpp"))
     if not sources:
@@ -123,9 +132,18 @@ def build_extension(torch_requirement: str, workdir: Path, glibc_limit: tuple[in
     env = {**os.environ, "CUDA_HOME": str(cuda_home), "PATH": f"{cuda_home / 'bin'}:{os.environ['PATH']}"}
     print(f"extension: compiling csrc/ with {cuda_home / 'bin' / 'nvcc'} and {interpreter}", flush=True)
     done = subprocess.run(
-        [interpreter, str(REPO / "setup.py"), "build_ext", "--build-lib", str(build_lib),
-         "--build-temp", str(workdir / "build-temp")],
-        cwd=REPO, env=env, check=False,
+        [
+            interpreter,
+            str(REPO / "setup.py"),
+            "build_ext",
+            "--build-lib",
+            str(build_lib),
+            "--build-temp",
+            str(workdir / "build-temp"),
+        ],
+        cwd=REPO,
+        env=env,
+        check=False,
     )
     library = build_lib / EXTENSION
     if done.returncode != 0 or not library.is_file():

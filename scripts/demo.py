@@ -178,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print("Hybrid HiSparse demo", flush=True)
     model = tiny_models.tiny_model_dir(DEMO_MODEL, CACHE / "tiny-models")
-    print(f"  model        tiny GLM-5.3 ({DEMO_MODEL.num_hidden_layers} layers, an indexer per "
-          f"{DEMO_MODEL.index_topk_freq}, an MTP layer, index top-K "
-          f"{DEMO_MODEL.index_topk}), random weights, seed {DEMO_MODEL.seed}: {model}")
-    print(f"  KV pool      {args.kv_blocks} blocks of 64 tokens; HiSparse host pool "
-          f"{args.host_pool_gib} GiB; OffloadingConnector (TieringOffloadingSpec) 64 MiB")
+    print(
+        f"  model        tiny GLM-5.3 ({DEMO_MODEL.num_hidden_layers} layers, an indexer per "
+        f"{DEMO_MODEL.index_topk_freq}, an MTP layer, index top-K "
+        f"{DEMO_MODEL.index_topk}), random weights, seed {DEMO_MODEL.seed}: {model}"
+    )
+    print(
+        f"  KV pool      {args.kv_blocks} blocks of 64 tokens; HiSparse host pool "
+        f"{args.host_pool_gib} GiB; OffloadingConnector (TieringOffloadingSpec) 64 MiB"
+    )
     print(f"  workload     {args.sessions} concurrent sessions x {args.turns} turns", flush=True)
     log_path = CACHE / "demo" / "serve.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

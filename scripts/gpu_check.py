@@ -57,9 +57,18 @@ def build_extension() -> float:
     began = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="gpu-check-build-"))
     subprocess.run(
-        [sys.executable, str(REPO / "setup.py"), "build_ext", "--build-lib", str(work / "lib"),
-         "--build-temp", str(work / "temp")],
-        cwd=REPO, env=env, check=True,
+        [
+            sys.executable,
+            str(REPO / "setup.py"),
+            "build_ext",
+            "--build-lib",
+            str(work / "lib"),
+            "--build-temp",
+            str(work / "temp"),
+        ],
+        cwd=REPO,
+        env=env,
+        check=True,
     )
     torch.ops.load_library(str(work / "lib" / EXTENSION))
     if not ops_registered():
@@ -74,8 +83,15 @@ def run_pytest() -> str:
         return "not run: pytest is not installed here (the shared checks below ran without it)"
     # test_production_shapes.py calls the same checks `verdicts` runs and tabulates below.
     code = pytest.main(
-        ["-q", "-p", "no:cacheprovider", "--rootdir", str(REPO), str(REPO / "tests" / "kernels"),
-         f"--ignore={REPO / 'tests' / 'kernels' / 'test_production_shapes.py'}"]
+        [
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(REPO),
+            str(REPO / "tests" / "kernels"),
+            f"--ignore={REPO / 'tests' / 'kernels' / 'test_production_shapes.py'}",
+        ]
     )
     return "passed" if int(code) == 0 else f"FAILED (pytest exit {int(code)})"
 
@@ -118,10 +134,14 @@ def verdicts(quick: bool) -> list[tuple[str, dict]]:
         return {"bit_exact": all(flags.values()), **flags}
 
     attempt(rows, "out-of-bounds indices flag the error word, write nothing", bounds)
-    attempt(rows, "the registered host pool (cudaHostRegister'd mmap) read by the row and page kernels",
-            kc.check_registered_host_pool)
     attempt(
-        rows, "a worker step (deltas, plan, rows, counters): no host wait (sync debug mode), as on the CPU",
+        rows,
+        "the registered host pool (cudaHostRegister'd mmap) read by the row and page kernels",
+        kc.check_registered_host_pool,
+    )
+    attempt(
+        rows,
+        "a worker step (deltas, plan, rows, counters): no host wait (sync debug mode), as on the CPU",
         kc.check_worker_step_without_host_waits,
     )
     return rows
@@ -162,8 +182,10 @@ def torch_note(version: str) -> str:
     pinned = tomllib.loads((REPO / "upstream.toml").read_text())["upstream"]["cpu_torch"]
     if version.split("+")[0] == pinned:
         return f"torch {version}, the version the wheel pins"
-    return (f"torch {version}, not the {pinned} the wheel pins: the extension was built here against "
-            "this torch, so the checks cover the kernels' code, not the shipped binary")
+    return (
+        f"torch {version}, not the {pinned} the wheel pins: the extension was built here against "
+        "this torch, so the checks cover the kernels' code, not the shipped binary"
+    )
 
 
 def simulator_constants(figures: dict) -> dict[str, float]:
@@ -181,8 +203,9 @@ def simulator_constants(figures: dict) -> dict[str, float]:
     return constants
 
 
-def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[str, dict]], figures: dict,
-                 command: str) -> str:
+def write_report(
+    out: Path, machine: dict, pytest_result: str, rows: list[tuple[str, dict]], figures: dict, command: str
+) -> str:
     lines = [
         "# HiSparse kernels on a GPU",
         "",
@@ -216,8 +239,10 @@ def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for miss, r in figures["resolver"].items():
-        lines.append(f"| {miss:.0%} | {r['fused_plan_us']:.1f} | {r['torch_plan_us']:.1f} "
-                     f"| {r['apply_us_per_layer']:.1f} | {r['rows_loaded']} | {r['h2d_gbps']:.1f} |")
+        lines.append(
+            f"| {miss:.0%} | {r['fused_plan_us']:.1f} | {r['torch_plan_us']:.1f} "
+            f"| {r['apply_us_per_layer']:.1f} | {r['rows_loaded']} | {r['h2d_gbps']:.1f} |"
+        )
     lines += [
         "",
         f"## Page copies, 128 pages (an 8K-token chunk) x {LAYERS} layers, fp8_ds_mla",
@@ -227,8 +252,9 @@ def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[
     ]
     for to_host, r in figures["pages"].items():
         direction = "device->host (post-forward)" if to_host else "host->device (restore)"
-        lines.append(f"| {direction} | {r['batched_us']:.0f} | {r['per_layer_us']:.0f} "
-                     f"| {r['batched_gbps']:.1f} |")
+        lines.append(
+            f"| {direction} | {r['batched_us']:.0f} | {r['per_layer_us']:.0f} | {r['batched_gbps']:.1f} |"
+        )
     for failure in figures["failures"]:
         lines.append(f"\nNot measured: {failure}")
     text = "\n".join(lines) + "\n"
@@ -239,12 +265,17 @@ def write_report(out: Path, machine: dict, pytest_result: str, rows: list[tuple[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=default_out(),
-                        help="the report (default: $OUT/kernels.md when OUT names a folder, as a "
-                             "remote runner's output folder does; else docs/kernels.md)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out(),
+        help="the report (default: $OUT/kernels.md when OUT names a folder, as a "
+        "remote runner's output folder does; else docs/kernels.md)",
+    )
     parser.add_argument("--quick", action="store_true", help="skip the 8K-token prefill resolution")
-    parser.add_argument("--build-only", action="store_true",
-                        help="build and load the extension, then stop (needs no GPU)")
+    parser.add_argument(
+        "--build-only", action="store_true", help="build and load the extension, then stop (needs no GPU)"
+    )
     args = parser.parse_args(argv)
     import torch
 

@@ -93,8 +93,7 @@ class FilePatch:
                     continue
                 if pos >= len(src) or src[pos] != body:
                     raise PatchError(
-                        f"{self.path}: line {pos + 1} does not match the patch "
-                        f"(expected {body.rstrip()!r})"
+                        f"{self.path}: line {pos + 1} does not match the patch (expected {body.rstrip()!r})"
                     )
                 if tag == " ":
                     out.append(body)
@@ -158,8 +157,11 @@ def diff_file(path: str, before: str, after: str) -> FilePatch | None:
             raise PatchError(f"{path}: the {label} file does not end with a newline")
     rendered = "".join(
         difflib.unified_diff(
-            before.splitlines(keepends=True), after.splitlines(keepends=True),
-            fromfile=f"a/{path}", tofile=f"b/{path}", n=3,
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            fromfile=f"a/{path}",
+            tofile=f"b/{path}",
+            n=3,
         )
     )
     if not rendered:
@@ -179,7 +181,7 @@ def render_file_patch(fp: FilePatch) -> str:
 
 
 def _strip_prefix(path: str, prefix: str) -> str:
-    return path[len(prefix):] if path.startswith(prefix) else path
+    return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 # ---------------------------------------------------------------------------
@@ -217,7 +219,8 @@ class Series:
 def load_series(repo: Path = REPO) -> Series:
     patch_dir = repo / "patches"
     names = [
-        line.strip() for line in (patch_dir / "series").read_text().splitlines()
+        line.strip()
+        for line in (patch_dir / "series").read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
     patches = [parse_patch(n, (patch_dir / n).read_text()) for n in names]
@@ -325,18 +328,14 @@ def classify(root: Path, series: Series, pin: Pin) -> TreeState:
         elif file.read_bytes() == content:
             target_states.append((path, "patched"))
         else:
-            return TreeState(
-                EXIT_OTHER, f"{path} differs from the overlay module in this repository", path
-            )
+            return TreeState(EXIT_OTHER, f"{path} differs from the overlay module in this repository", path)
     kinds = {state for _, state in target_states}
     if kinds <= {"patched"}:
         return TreeState(EXIT_PATCHED, f"patched by this series ({len(series.patches)} patches)")
     if kinds == {"pristine"}:
         return TreeState(EXIT_PRISTINE, f"pristine vLLM {pin.version}")
     odd = next(path for path, state in target_states if state == "pristine")
-    return TreeState(
-        EXIT_OTHER, f"partially patched: {odd} is pristine while other files are patched", odd
-    )
+    return TreeState(EXIT_OTHER, f"partially patched: {odd} is pristine while other files are patched", odd)
 
 
 def _drop_bytecode(file: Path) -> None:

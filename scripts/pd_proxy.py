@@ -236,14 +236,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--prefill", required=True, action="append",
-                        help="base URL of a prefill (kv_producer) instance; repeatable, taken in turn")
-    parser.add_argument("--decode", required=True, action="append",
-                        help="base URL of a decode (kv_consumer) instance; repeatable, taken in turn")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
-                        help=f"larger request bodies are answered 413 (default {MAX_BODY_BYTES})")
-    parser.add_argument("--max-concurrency", type=int, default=MAX_CONCURRENCY,
-                        help=f"requests in flight; more are answered 503 (default {MAX_CONCURRENCY})")
+    parser.add_argument(
+        "--prefill",
+        required=True,
+        action="append",
+        help="base URL of a prefill (kv_producer) instance; repeatable, taken in turn",
+    )
+    parser.add_argument(
+        "--decode",
+        required=True,
+        action="append",
+        help="base URL of a decode (kv_consumer) instance; repeatable, taken in turn",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"larger request bodies are answered 413 (default {MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=MAX_CONCURRENCY,
+        help=f"requests in flight; more are answered 503 (default {MAX_CONCURRENCY})",
+    )
     parser.add_argument(
         "--secret-file",
         help="file holding the secret shared with the decode instances (default: the "

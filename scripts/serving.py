@@ -71,7 +71,12 @@ class VllmServer:
     """`vllm serve <model>` on a free local port, with the given extra arguments."""
 
     def __init__(
-        self, model: Path, served_name: str, serve_args: Sequence[str], log_path: Path, engine_id: str = "",
+        self,
+        model: Path,
+        served_name: str,
+        serve_args: Sequence[str],
+        log_path: Path,
+        engine_id: str = "",
         env: Mapping[str, str] | None = None,
     ) -> None:
         """`env`: variables added to this process's environment for the server."""
@@ -149,7 +154,7 @@ class VllmServer:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or ():
                     new = choice.get("token_ids") or []

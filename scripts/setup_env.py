@@ -42,7 +42,8 @@ def fingerprint(flavour: Flavour) -> str:
     files = [REPO / name for name in FINGERPRINT_INPUTS]
     for folder in FINGERPRINT_DIRS:
         files += sorted(
-            p for p in (REPO / folder).rglob("*")
+            p
+            for p in (REPO / folder).rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
         )
     for file in files:
@@ -71,7 +72,7 @@ def hand_edited_files() -> list[str]:
                 edited.append(row[0])
                 continue
             digest = base64.urlsafe_b64encode(hashlib.sha256(file.read_bytes()).digest())
-            if digest.rstrip(b"=").decode() != row[1][len("sha256="):]:
+            if digest.rstrip(b"=").decode() != row[1][len("sha256=") :]:
                 edited.append(row[0])
     return edited
 

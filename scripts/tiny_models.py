@@ -460,14 +460,16 @@ def _mtp_tensors(spec: TinyModelSpec, state_dict: dict[str, Any]) -> dict[str, A
     out: dict[str, Any] = {}
     for i in range(spec.num_nextn_predict_layers):
         prefix = f"model.layers.{spec.num_hidden_layers + i}."
-        shapes = {prefix + name[len(last):]: t for name, t in state_dict.items() if name.startswith(last)}
-        shapes.update({
-            prefix + "enorm.weight": torch.empty(h),
-            prefix + "hnorm.weight": torch.empty(h),
-            prefix + "eh_proj.weight": torch.empty(h, 2 * h),
-            prefix + "shared_head.norm.weight": torch.empty(h),
-            prefix + "shared_head.head.weight": torch.empty(spec.vocab_size, h),
-        })
+        shapes = {prefix + name[len(last) :]: t for name, t in state_dict.items() if name.startswith(last)}
+        shapes.update(
+            {
+                prefix + "enorm.weight": torch.empty(h),
+                prefix + "hnorm.weight": torch.empty(h),
+                prefix + "eh_proj.weight": torch.empty(h, 2 * h),
+                prefix + "shared_head.norm.weight": torch.empty(h),
+                prefix + "shared_head.head.weight": torch.empty(spec.vocab_size, h),
+            }
+        )
         for name, like in shapes.items():
             leaf_module = name.rsplit(".", 2)[-2]
             if name.endswith(".weight") and "norm" in leaf_module:

@@ -117,8 +117,17 @@ def fetch_upstream_wheel(flavour: Flavour, pin: Pin | None = None) -> Path:
     requirement = f"{pin.upstream_distribution(flavour)}=={pin.version}"
     print(f"fetching upstream wheel {requirement} into {CACHE_DIR}", flush=True)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--platform", "manylinux_2_28_x86_64", "--dest", str(CACHE_DIR), requirement,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--dest",
+        str(CACHE_DIR),
+        requirement,
     ]
     done = subprocess.run(cmd, check=False)
     if done.returncode != 0 or not target.is_file():
@@ -139,13 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pin = load_pin()
     flavour = args.flavour or machine_flavour()
-    print({
-        "version": pin.version,
-        "base-image": pin.base_image,
-        "image-tag": pin.distribution_version("cuda").replace("+", "-"),
-        "wheel-name": pin.wheel_name(flavour),
-        "flavour": flavour,
-    }[args.fact])
+    print(
+        {
+            "version": pin.version,
+            "base-image": pin.base_image,
+            "image-tag": pin.distribution_version("cuda").replace("+", "-"),
+            "wheel-name": pin.wheel_name(flavour),
+            "flavour": flavour,
+        }[args.fact]
+    )
     return 0
 
 

@@ -60,12 +60,27 @@ def tiny_glm_dsa_dir(tmp_path_factory) -> Path:
     """A config-only GLM-5-architecture (glm_moe_dsa) checkpoint: index_topk=32."""
     return _write_config(
         tmp_path_factory.mktemp("glm-dsa"),
-        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2,
-        kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
-        index_topk=32, index_n_heads=2, index_head_dim=32, vocab_size=256,
-        max_position_embeddings=2048, torch_dtype="bfloat16",
+        architectures=["GlmMoeDsaForCausalLM"],
+        model_type="glm_moe_dsa",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=32,
+        index_n_heads=2,
+        index_head_dim=32,
+        vocab_size=256,
+        max_position_embeddings=2048,
+        torch_dtype="bfloat16",
     )
 
 
@@ -74,9 +89,16 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     """A config-only dense (non-MLA) checkpoint."""
     return _write_config(
         tmp_path_factory.mktemp("llama"),
-        architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=2,
-        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=2048, torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=2048,
+        torch_dtype="bfloat16",
     )
 
 
@@ -91,8 +113,17 @@ def _site_packages(python: Path) -> Path:
 
 def _pip_install(python: Path, *args: str | Path) -> None:
     subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "--no-index", "--no-deps", *map(str, args)],
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-deps",
+            *map(str, args),
+        ],
         check=True,
     )
 

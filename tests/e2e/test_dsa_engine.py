@@ -73,8 +73,13 @@ def test_preemption_under_a_small_pool_keeps_greedy_tokens(reference, sparse_glm
     cold, _ = reference
     # 7 blocks leave 6 usable pages of 64 tokens (one max-length request): two 3-page
     # prompts fill them and both need a fourth page while decoding, so one is preempted.
-    with running_llm(sparse_glm5_dir, dtype="float32", num_gpu_blocks_override=7, max_model_len=384,
-                     enable_prefix_caching=False) as llm:
+    with running_llm(
+        sparse_glm5_dir,
+        dtype="float32",
+        num_gpu_blocks_override=7,
+        max_model_len=384,
+        enable_prefix_caching=False,
+    ) as llm:
         before = metric_total(llm, "vllm:num_preemptions")
         squeezed = generate(llm, prompts())
         preemptions = metric_total(llm, "vllm:num_preemptions") - before
@@ -84,8 +89,13 @@ def test_preemption_under_a_small_pool_keeps_greedy_tokens(reference, sparse_glm
 
 def test_chunked_prefill_gives_the_same_tokens_as_whole_prefill(reference, sparse_glm5_dir):
     cold, _ = reference
-    with running_llm(sparse_glm5_dir, dtype="float32", max_num_batched_tokens=64, max_num_seqs=4,
-                     enable_prefix_caching=False) as llm:
+    with running_llm(
+        sparse_glm5_dir,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+    ) as llm:
         chunked = generate(llm, prompts())
     assert max(PROMPT_LENGTHS) > 64 * 3, "prompts span several chunks"
     assert tokens(chunked) == tokens(cold)

@@ -37,9 +37,7 @@ TOLERANCE = {"float32": (1.0, 1e-3, 1e-3), "bfloat16": (0.95, 0.25, 0.08)}  # (q
 
 
 def prompt_ids(tokenizer) -> list[int]:
-    text = " ".join(
-        "the agent reads the file then edits the function and runs the tests again".split() * 12
-    )
+    text = " ".join("the agent reads the file then edits the function and runs the tests again".split() * 12)
     ids = tokenizer(text)["input_ids"][:PROMPT_LEN]
     assert len(ids) == PROMPT_LEN
     return ids

@@ -115,8 +115,11 @@ class Proxy:
     def complete(self, prompt: list[int], max_tokens: int) -> dict:
         body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                         json.dumps(body).encode(), {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())
 
@@ -125,8 +128,9 @@ def run_sessions(client) -> tuple[dict[tuple[int, int], list[int]], list[int]]:
     """Concurrent multi-turn sessions: (session, turn) -> greedy tokens, and every prompt's length."""
     rng = random.Random(14)
     openings = [[rng.randrange(3, 500) for _ in range(FIRST_PROMPT + 24 * s)] for s in range(SESSIONS)]
-    turns = [[[rng.randrange(3, 500) for _ in range(TURN_PROMPT)] for _ in range(TURNS)]
-             for _ in range(SESSIONS)]
+    turns = [
+        [[rng.randrange(3, 500) for _ in range(TURN_PROMPT)] for _ in range(TURNS)] for _ in range(SESSIONS)
+    ]
     prompt_lengths: list[int] = []
 
     def session(s: int) -> dict[tuple[int, int], list[int]]:
@@ -170,8 +174,9 @@ class RunningSampler:
         self._thread.join()
 
 
-def through_proxy(prefill: VllmServer, decode: VllmServer, logs: Path, name: str,
-                  proxy_env: dict | None = None, after=None) -> DecodeRun:
+def through_proxy(
+    prefill: VllmServer, decode: VllmServer, logs: Path, name: str, proxy_env: dict | None = None, after=None
+) -> DecodeRun:
     """The sessions through the proxy in front of `decode`, which starts and stops here;
     `after(decode)` runs once they are done, before `decode` stops."""
     with contextlib.ExitStack() as stack:
@@ -190,8 +195,12 @@ def through_proxy(prefill: VllmServer, decode: VllmServer, logs: Path, name: str
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[tuple[int, int], list[int]]:
     """The sessions' greedy tokens on one all-resident instance."""
-    server = VllmServer(model_dir(SPARSE_GLM5), "tiny-glm5", [*COMMON, *ONE_CHUNK],
-                        tmp_path_factory.mktemp("serve-reference") / "reference.log")
+    server = VllmServer(
+        model_dir(SPARSE_GLM5),
+        "tiny-glm5",
+        [*COMMON, *ONE_CHUNK],
+        tmp_path_factory.mktemp("serve-reference") / "reference.log",
+    )
     server.start()
     try:
         return run_sessions(server)[0]

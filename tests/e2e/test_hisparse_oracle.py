@@ -43,6 +43,7 @@ from vllm import SamplingParams
 
 pytestmark = pytest.mark.slow
 
+
 @pytest.fixture(scope="module")
 def model():
     return model_dir(SIX_LAYERS)
@@ -298,8 +299,11 @@ def test_under_pressure_a_session_turn_takes_its_history_from_the_host_pool(mode
     cached: dict[str, int] = {}
     with offloading_connector("TieringOffloadingSpec", label="test-hisparse-sessions") as kv_transfer:
         with running_llm(
-            model, kv_transfer_config=kv_transfer, attention_config=hisparse(),
-            kv_cache_memory_bytes=12 << 20, max_num_batched_tokens=128,
+            model,
+            kv_transfer_config=kv_transfer,
+            attention_config=hisparse(),
+            kv_cache_memory_bytes=12 << 20,
+            max_num_batched_tokens=128,
         ) as llm:
             engine = llm.llm_engine
             for s in range(4):
@@ -313,9 +317,11 @@ def test_under_pressure_a_session_turn_takes_its_history_from_the_host_pool(mode
                     s, turn = (int(part[1:]) for part in out.request_id.split("-"))
                     if turn < 2:
                         history = len(prompts[s]) + len(out.outputs[0].token_ids)
-                        prompts[s] = prompts[s] + list(out.outputs[0].token_ids) + [
-                            rngs[s].randrange(3, 512) for _ in range(20)
-                        ]
+                        prompts[s] = (
+                            prompts[s]
+                            + list(out.outputs[0].token_ids)
+                            + [rngs[s].randrange(3, 512) for _ in range(20)]
+                        )
                         histories[f"s{s}-t{turn + 1}"] = history
                         engine.add_request(f"s{s}-t{turn + 1}", {"prompt_token_ids": prompts[s]}, answer)
             stats = engine.engine_core.engine_core.scheduler.hisparse.stats()
@@ -452,9 +458,11 @@ def test_mtp_second_turns_start_from_host_prefixes_like_the_all_resident_run():
     on the device, so a second turn takes its host-only pages and computes nothing again."""
     model = model_dir(SIX_LAYERS_MTP)
     pressed, reference = alike(
-        multiprocessing_off(lambda: two_turns(
-            model, churn=True, speculative_config=MTP, attention_config=hisparse(), **MTP_PRESSURE
-        )),
+        multiprocessing_off(
+            lambda: two_turns(
+                model, churn=True, speculative_config=MTP, attention_config=hisparse(), **MTP_PRESSURE
+            )
+        ),
         multiprocessing_off(lambda: two_turns(model, speculative_config=MTP, **REPLAY_BUDGET)),
     )
     tokens, tokens2, cached2, stats, preemptions, _ = pressed

@@ -81,8 +81,12 @@ def runs(model):
         lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE)
     )()
     return {
-        "pressed": pressed, "resident": resident, "single": single, "chunks": chunks,
-        "serving": seen_while_serving, "left": pool_names() - before,
+        "pressed": pressed,
+        "resident": resident,
+        "single": single,
+        "chunks": chunks,
+        "serving": seen_while_serving,
+        "left": pool_names() - before,
     }
 
 
@@ -123,9 +127,7 @@ def test_the_shared_pool_has_no_name_while_serving_or_after_shutdown(runs):
 def test_deepseek_v32_at_tp2_under_pressure_equals_its_tp2_all_resident_run():
     model = model_dir(dataclasses.replace(SIX_LAYERS, arch="deepseek_v32"))
     pressed, resident = alike(
-        tensor_parallel(
-            lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE, **TP2)
-        ),
+        tensor_parallel(lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE, **TP2)),
         tensor_parallel(lambda: two_turns(model, **REPLAY_BUDGET, **TP2)),
         same_steps=True,
     )
@@ -182,8 +184,12 @@ def test_ray_on_two_nodes_serves_tp2_under_pressure_like_the_mp_executor(model, 
                 mp.setenv(name, value)
             with prefill_chunks(record=recorded):
                 result = two_turns(
-                    model, churn=True, attention_config=hisparse(), **PRESSURE,
-                    tensor_parallel_size=2, distributed_executor_backend="ray",
+                    model,
+                    churn=True,
+                    attention_config=hisparse(),
+                    **PRESSURE,
+                    tensor_parallel_size=2,
+                    distributed_executor_backend="ray",
                 )
             nodes = [n for n in ray.nodes() if n["Alive"]]
         return result, nodes

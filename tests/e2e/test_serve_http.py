@@ -206,4 +206,4 @@ def test_metrics_show_requests_and_offloaded_blocks(server):
     assert value("vllm:hisparse_host_pool_pages{") > 0
     assert value("vllm:hisparse_pages_copied_to_host_total") > 0
     assert value("vllm:hisparse_bytes_to_host_total") > 0
-    assert 'vllm:hisparse_requests{' in metrics and 'state="mixed"' in metrics
+    assert "vllm:hisparse_requests{" in metrics and 'state="mixed"' in metrics

@@ -217,8 +217,12 @@ def test_under_pressure_nixl_reads_the_landed_pages_into_the_host_pages_hisparse
     tokens = prompt(1, 400)
     pages = -(-len(tokens) // BLOCK)
     assert pages * PAGE_BLOCKS > h.num_free_blocks(), "the import exceeds the free device blocks"
-    h.add_request(tokens, max_tokens=8, request_id="imported",
-                  extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)})
+    h.add_request(
+        tokens,
+        max_tokens=8,
+        request_id="imported",
+        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
+    )
     output = h.schedule()
     assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
     meta = output.kv_connector_metadata
@@ -257,8 +261,12 @@ def test_with_room_on_the_device_nixl_reads_every_page_there_as_upstream(model):
     h = nixl_instance(model, "kv_consumer")
     tokens = prompt(1, 200)
     pages = -(-len(tokens) // BLOCK)
-    h.add_request(tokens, max_tokens=8, request_id="imported",
-                  extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)})
+    h.add_request(
+        tokens,
+        max_tokens=8,
+        request_id="imported",
+        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
+    )
     meta = h.schedule().kv_connector_metadata
     assert meta.host_landing == {}
     assert [len(group) for group in meta.reqs_to_recv["imported"].local_block_ids] == [pages] * h.num_groups
@@ -266,8 +274,12 @@ def test_with_room_on_the_device_nixl_reads_every_page_there_as_upstream(model):
 
 def finished_producer_request(h: SchedulerHarness, request_id: str):
     """A prompt a producer computed for remote decode, finished after its one token."""
-    request = h.add_request(prompt(3, 300), max_tokens=1, request_id=request_id,
-                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    request = h.add_request(
+        prompt(3, 300),
+        max_tokens=1,
+        request_id=request_id,
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )
     for _ in range(10):
         if request.is_finished():
             return request

@@ -542,9 +542,9 @@ def test_a_chunk_restores_its_host_pages_when_the_pool_has_room_for_them(model):
         assert restore.block_ids == tuple(tables[g][i] for g in range(MLA_GROUPS)), "the table holds them"
         assert req.pages[i].state.name == "BOTH" and req.pages[i].block_ids == restore.block_ids
     updates = [u for u in o.hisparse_plan.host_pages if u.request_id == rid]
-    assert updates[-len(host):] == [
-        dataclasses.replace(u, host_page=-1) for u in updates[-len(host):]
-    ], "the workers' map drops them, after the demotion that put them there"
+    assert updates[-len(host) :] == [dataclasses.replace(u, host_page=-1) for u in updates[-len(host) :]], (
+        "the workers' map drops them, after the demotion that put them there"
+    )
     points = {(u.group_id, u.position): u.block_id for u in o.hisparse_plan.block_table_updates}
     assert all(points[(g, i)] == tables[g][i] for i in host for g in range(MLA_GROUPS))
     assert not req.hot_blocks and o.hisparse_stats["hot_lease_blocks"] == 0, "its lease went back"

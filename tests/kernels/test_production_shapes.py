@@ -26,8 +26,15 @@ def kernel_ops(tmp_path_factory):
 
 @pytest.mark.parametrize("miss_fraction", [0.0, 0.5])
 def test_the_harness_builds_the_miss_fraction_it_is_asked_for(miss_fraction):
-    case = resolution_case(requests=3, tokens_per_request=1, context=64 * 4, miss_fraction=miss_fraction,
-                           row_bytes=656, topk=16, hot_rows=32)
+    case = resolution_case(
+        requests=3,
+        tokens_per_request=1,
+        context=64 * 4,
+        miss_fraction=miss_fraction,
+        row_bytes=656,
+        topk=16,
+        hot_rows=32,
+    )
     result = check_resolution(case, device="cpu")
     assert result["bit_exact"], result["mismatched"]
     assert result["rows_loaded"] == 3 * int(16 * miss_fraction)
@@ -40,16 +47,28 @@ def test_the_harness_builds_the_miss_fraction_it_is_asked_for(miss_fraction):
 @pytest.mark.parametrize("row_kind", ["fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("miss_fraction", [0.0, 0.1, 0.5])
 def test_128_decode_requests_resolve_bit_for_bit(kernel_ops, row_kind, miss_fraction, fused):
-    case = resolution_case(requests=128, tokens_per_request=1, context=16384, miss_fraction=miss_fraction,
-                           row_bytes=ROW_BYTES[row_kind], seed=1)
+    case = resolution_case(
+        requests=128,
+        tokens_per_request=1,
+        context=16384,
+        miss_fraction=miss_fraction,
+        row_bytes=ROW_BYTES[row_kind],
+        seed=1,
+    )
     result = check_resolution(case, fused=fused)
     assert result["bit_exact"], result["mismatched"]
 
 
 @pytest.mark.gpu
 def test_draft_verification_steps_resolve_bit_for_bit_with_the_fused_plan(kernel_ops):
-    case = resolution_case(requests=64, tokens_per_request=4, context=16384, miss_fraction=0.1,
-                           row_bytes=ROW_BYTES["fp8_ds_mla"], seed=4)
+    case = resolution_case(
+        requests=64,
+        tokens_per_request=4,
+        context=16384,
+        miss_fraction=0.1,
+        row_bytes=ROW_BYTES["fp8_ds_mla"],
+        seed=4,
+    )
     result = check_resolution(case, fused=True)
     assert result["bit_exact"], result["mismatched"]
 
@@ -57,8 +76,14 @@ def test_draft_verification_steps_resolve_bit_for_bit_with_the_fused_plan(kernel
 @pytest.mark.gpu
 @pytest.mark.parametrize("row_kind", ["fp8_ds_mla", "bf16"])
 def test_an_8k_token_prefill_chunk_resolves_bit_for_bit(kernel_ops, row_kind):
-    case = resolution_case(requests=1, tokens_per_request=8192, context=65536, miss_fraction=0.5,
-                           row_bytes=ROW_BYTES[row_kind], seed=2)
+    case = resolution_case(
+        requests=1,
+        tokens_per_request=8192,
+        context=65536,
+        miss_fraction=0.5,
+        row_bytes=ROW_BYTES[row_kind],
+        seed=2,
+    )
     result = check_resolution(case)
     assert result["bit_exact"], result["mismatched"]
 

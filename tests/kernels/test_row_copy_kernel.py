@@ -57,8 +57,14 @@ def test_kernel_copies_exactly_the_masked_rows(kernel_ops):
 def test_a_resolution_on_the_gpu_matches_the_reference_bit_for_bit(kernel_ops):
     for seed in range(40):
         shape = dict(
-            num_reqs=1 + seed % 3, pages=1 + seed % 5, hot_slots=4 + seed % 9, tokens=1 + seed % 4,
-            topk=1 + seed % 6, resident_p=(0.0, 0.5, 0.9)[seed % 3], hot_fill=seed % 7, staging=seed % 5,
+            num_reqs=1 + seed % 3,
+            pages=1 + seed % 5,
+            hot_slots=4 + seed % 9,
+            tokens=1 + seed % 4,
+            topk=1 + seed % 6,
+            resident_p=(0.0, 0.5, 0.9)[seed % 3],
+            hot_fill=seed % 7,
+            staging=seed % 5,
         )
         cpu = build(seed, **shape)
         if not len(cpu.table_rows):
@@ -84,8 +90,18 @@ def _resolve(s, device: str) -> torch.Tensor:
     kv_rows = on(s.kv_rows)
     host_rows = s.host_rows.pin_memory() if device == "cuda" else s.host_rows
     out, _ = resolve_topk_slots(
-        on(s.positions), on(s.token_requests), on(s.rows), on(s.host_page_table), BLOCK, hot,
-        on(s.slot_rows), on(s.staging_slots), kv_rows, host_rows, s.step, on(s.table_rows),
+        on(s.positions),
+        on(s.token_requests),
+        on(s.rows),
+        on(s.host_page_table),
+        BLOCK,
+        hot,
+        on(s.slot_rows),
+        on(s.staging_slots),
+        kv_rows,
+        host_rows,
+        s.step,
+        on(s.table_rows),
     )
     s.hot.positions, s.hot.stamps, s.kv_rows = hot.positions, hot.stamps, kv_rows
     return out

@@ -115,7 +115,7 @@ def test_entrypoint_stays_vllm_serve():
 @pytest.mark.parametrize(
     "needle",
     [
-        "--attention-config '{\"hisparse_config\":{\"host_pool_gib\":384}}'",
+        '--attention-config \'{"hisparse_config":{"host_pool_gib":384}}\'',
         '"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":137438953472',
         "--max-model-len 1048576",
         "--tensor-parallel-size 8",

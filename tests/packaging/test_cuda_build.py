@@ -23,7 +23,11 @@ def test_without_nvcc_the_cuda_wheel_stops_naming_what_is_missing_and_writes_not
     dist = tmp_path / "dist"
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "build_wheel.py"), "--flavour", "cuda", "--dist", str(dist)],
-        cwd=REPO, env=env, capture_output=True, text=True, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 1
     assert "needs nvcc to build its extension" in done.stderr and "CUDA_HOME" in done.stderr

@@ -39,7 +39,10 @@ def cuda_wheel(tmp_path_factory) -> Path:
     dist = tmp_path_factory.mktemp("dist")
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "build_wheel.py"), "--flavour", "cuda", "--dist", str(dist)],
-        cwd=REPO, capture_output=True, text=True, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     wheels = list(dist.glob("*.whl"))
@@ -52,8 +55,12 @@ def extracted(cuda_wheel, tmp_path_factory) -> Path:
     """The extension and its loader, out of the wheel, in a tree without vLLM."""
     root = tmp_path_factory.mktemp("wheel-tree")
     with zipfile.ZipFile(cuda_wheel) as zf:
-        for name in (EXTENSION, "vllm/v1/hisparse/ops.py", "vllm/v1/hisparse/__init__.py",
-                     "vllm/v1/hisparse/host_memory.py"):
+        for name in (
+            EXTENSION,
+            "vllm/v1/hisparse/ops.py",
+            "vllm/v1/hisparse/__init__.py",
+            "vllm/v1/hisparse/host_memory.py",
+        ):
             zf.extract(name, root)
     return root
 
@@ -61,9 +68,14 @@ def extracted(cuda_wheel, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def probe(extracted) -> dict:
     done = subprocess.run(
-        [str(cuda_build.BUILD_ENV / "bin" / "python"), str(REPO / "tests" / "support" / "extension_probe.py"),
-         str(extracted)],
-        capture_output=True, text=True, check=False,
+        [
+            str(cuda_build.BUILD_ENV / "bin" / "python"),
+            str(REPO / "tests" / "support" / "extension_probe.py"),
+            str(extracted),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -73,8 +85,11 @@ def test_the_wheel_is_named_and_tagged_for_the_glibc_its_extension_needs(cuda_wh
     assert cuda_wheel.name == pin.wheel_name("cuda")
     with zipfile.ZipFile(cuda_wheel) as zf:
         wheel_file = next(n for n in zf.namelist() if n.endswith(".dist-info/WHEEL"))
-        tags = [line.split(": ", 1)[1] for line in zf.read(wheel_file).decode().splitlines()
-                if line.startswith("Tag: ")]
+        tags = [
+            line.split(": ", 1)[1]
+            for line in zf.read(wheel_file).decode().splitlines()
+            if line.startswith("Tag: ")
+        ]
     assert tags == [pin.wheel_tag("cuda")]
     assert cuda_build.required_glibc(extracted / EXTENSION) <= pin.glibc("cuda")
 
@@ -91,8 +106,9 @@ def test_the_extension_is_in_the_wheel_and_its_record(cuda_wheel):
 
 def test_the_extension_is_stripped_and_built_for_hopper_and_blackwell(extracted):
     library = extracted / EXTENSION
-    sections = subprocess.run(["objdump", "-h", str(library)], capture_output=True, text=True,
-                              check=True).stdout
+    sections = subprocess.run(
+        ["objdump", "-h", str(library)], capture_output=True, text=True, check=True
+    ).stdout
     assert ".debug_info" not in sections
     # Each embedded cubin records the architecture it was assembled for.
     data = library.read_bytes()
@@ -150,9 +166,15 @@ def test_the_host_pool_maps_where_vllm_is_not_installed(probe):
 def test_gpu_check_builds_and_loads_the_extension_without_a_gpu(cuda_wheel):
     """scripts/gpu_check.py's own build, the first step of every GPU run, works here."""
     done = subprocess.run(
-        [str(cuda_build.BUILD_ENV / "bin" / "python"), str(REPO / "scripts" / "gpu_check.py"),
-         "--build-only"],
-        cwd=REPO, capture_output=True, text=True, check=False,
+        [
+            str(cuda_build.BUILD_ENV / "bin" / "python"),
+            str(REPO / "scripts" / "gpu_check.py"),
+            "--build-only",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "built and loaded the extension" in done.stdout

@@ -76,9 +76,15 @@ def test_installed_wheel_reports_its_version_and_imports_the_overlay(cpu_wheel, 
     )
     assert version.stdout.strip().splitlines()[-1] == pin.distribution_version("cpu")
     probe = subprocess.run(
-        [str(python), "-c",
-         "import vllm, vllm.config.hisparse as h; print(vllm.__file__); print(h.HiSparseConfig.__name__)"],
-        capture_output=True, text=True, check=True, timeout=300,
+        [
+            str(python),
+            "-c",
+            "import vllm, vllm.config.hisparse as h; print(vllm.__file__); print(h.HiSparseConfig.__name__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
     lines = probe.stdout.strip().splitlines()
     assert lines[-2].startswith(str(site)), "the wheel's vllm must shadow the development venv's"
@@ -121,7 +127,11 @@ def test_a_second_setup_is_a_no_op():
     mtime = record.stat().st_mtime_ns
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "setup_env.py")],
-        capture_output=True, text=True, check=True, cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert "up to date" in done.stdout
     assert record.stat().st_mtime_ns == mtime

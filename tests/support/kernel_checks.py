@@ -126,7 +126,16 @@ def resolution_case(
     if row_bytes == ROW_BYTES["bf16"]:
         kv_rows, host_rows = kv_rows.view(torch.bfloat16), host_rows.view(torch.bfloat16)
     return ResolutionCase(
-        positions, token_requests, rows, table, hot, slot_rows, staging, kv_rows, host_rows, step=100,
+        positions,
+        token_requests,
+        rows,
+        table,
+        hot,
+        slot_rows,
+        staging,
+        kv_rows,
+        host_rows,
+        step=100,
         selected_misses=misses / topk,
     )
 
@@ -137,9 +146,17 @@ def _on(case: ResolutionCase, device: str) -> ResolutionCase:
 
     host_rows = case.host_rows.pin_memory() if device == "cuda" else case.host_rows.clone()
     return ResolutionCase(
-        to(case.positions), to(case.token_requests), to(case.rows), to(case.host_page_table),
-        HotState(to(case.hot.positions).clone(), to(case.hot.stamps).clone()), to(case.slot_rows),
-        to(case.staging_slots), to(case.kv_rows).clone(), host_rows, case.step, case.selected_misses,
+        to(case.positions),
+        to(case.token_requests),
+        to(case.rows),
+        to(case.host_page_table),
+        HotState(to(case.hot.positions).clone(), to(case.hot.stamps).clone()),
+        to(case.slot_rows),
+        to(case.staging_slots),
+        to(case.kv_rows).clone(),
+        host_rows,
+        case.step,
+        case.selected_misses,
     )
 
 
@@ -153,8 +170,14 @@ def most_tokens(case: ResolutionCase) -> int:
 
 def _resolve(case: ResolutionCase, fused: bool = False):
     plan = plan_resolution(
-        case.positions, case.token_requests, case.host_page_table, BLOCK, case.hot, case.staging_slots,
-        case.step, max_tokens_per_request=most_tokens(case) if fused else None,
+        case.positions,
+        case.token_requests,
+        case.host_page_table,
+        BLOCK,
+        case.hot,
+        case.staging_slots,
+        case.step,
+        max_tokens_per_request=most_tokens(case) if fused else None,
     )
     error = torch.zeros((), dtype=torch.int64, device=case.positions.device)
     out = apply_resolution(plan, case.rows, case.slot_rows, case.kv_rows, case.host_rows, error=error)
@@ -195,8 +218,10 @@ def check_resolution(case: ResolutionCase, device: str = "cuda", fused: bool = F
         mismatched.append("resolved rows")
     if not torch.equal(bits(dev.kv_rows.cpu()), bits(reference.kv_rows)):
         mismatched.append("kv rows")
-    if not (torch.equal(dev.hot.positions.cpu(), reference.hot.positions)
-            and torch.equal(dev.hot.stamps.cpu(), reference.hot.stamps)):
+    if not (
+        torch.equal(dev.hot.positions.cpu(), reference.hot.positions)
+        and torch.equal(dev.hot.stamps.cpu(), reference.hot.stamps)
+    ):
         mismatched.append("hot state")
     if int(error) != int(ref_error):
         mismatched.append("error word")
@@ -229,16 +254,24 @@ def time_resolution(case: ResolutionCase, repeats: int = 20) -> dict:
 
     def plan(fused: bool):
         hot = HotState(dev.hot.positions.clone(), dev.hot.stamps.clone())
-        return plan_resolution(dev.positions, dev.token_requests, dev.host_page_table, BLOCK, hot,
-                               dev.staging_slots, dev.step,
-                               max_tokens_per_request=most_tokens(case) if fused else None)
+        return plan_resolution(
+            dev.positions,
+            dev.token_requests,
+            dev.host_page_table,
+            BLOCK,
+            hot,
+            dev.staging_slots,
+            dev.step,
+            max_tokens_per_request=most_tokens(case) if fused else None,
+        )
 
     fused_us = timed(lambda: plan(True))
     torch_us = timed(lambda: plan(False))
     the_plan = plan(True)
     error = torch.zeros((), dtype=torch.int64, device="cuda")
-    apply_us = timed(lambda: apply_resolution(the_plan, dev.rows, dev.slot_rows, dev.kv_rows, dev.host_rows,
-                                              error=error))
+    apply_us = timed(
+        lambda: apply_resolution(the_plan, dev.rows, dev.slot_rows, dev.kv_rows, dev.host_rows, error=error)
+    )
     check_resolution_error(int(error) | int(the_plan.error))
     row_bytes = dev.kv_rows.shape[1] * dev.kv_rows.element_size()
     loaded = int(the_plan.rows_loaded)
@@ -260,8 +293,9 @@ class PageCopyCase:
     host_pages: torch.Tensor  # [pages]
 
 
-def page_copy_case(layers: int, pages: int, row_bytes: int, seed: int = 0,
-                   device: str = "cpu") -> PageCopyCase:
+def page_copy_case(
+    layers: int, pages: int, row_bytes: int, seed: int = 0, device: str = "cpu"
+) -> PageCopyCase:
     """`pages` pages (an 8K-token chunk is 128) of `layers` layers, blocks strided past every layer."""
     gen = torch.Generator().manual_seed(seed)
     blocks, host_pages = pages * 2, pages * 2
@@ -274,8 +308,9 @@ def page_copy_case(layers: int, pages: int, row_bytes: int, seed: int = 0,
     return PageCopyCase([storage[:, layer] for layer in range(layers)], storage, host, block_ids, chosen)
 
 
-def check_page_copy(layers: int, pages: int, row_bytes: int, to_host: bool, seed: int = 0,
-                    device: str = "cuda") -> dict:
+def check_page_copy(
+    layers: int, pages: int, row_bytes: int, to_host: bool, seed: int = 0, device: str = "cuda"
+) -> dict:
     reference = page_copy_case(layers, pages, row_bytes, seed)
     copy_pages(reference.caches, reference.host_pool, reference.block_ids, reference.host_pages, to_host)
     dev = page_copy_case(layers, pages, row_bytes, seed, device)
@@ -309,8 +344,14 @@ def time_page_copy(layers: int, pages: int, row_bytes: int, to_host: bool, repea
 
     def per_layer():
         for layer in range(layers):
-            copy_pages(case.caches[layer:layer + 1], case.host_pool[layer:layer + 1],
-                       case.block_ids[:, layer:layer + 1], case.host_pages, to_host, error=error)
+            copy_pages(
+                case.caches[layer : layer + 1],
+                case.host_pool[layer : layer + 1],
+                case.block_ids[:, layer : layer + 1],
+                case.host_pages,
+                to_host,
+                error=error,
+            )
 
     batched_us, per_layer_us = timed(batched), timed(per_layer)
     check_resolution_error(int(error))
@@ -329,8 +370,14 @@ def check_out_of_bounds_kernels() -> dict:
     kv = torch.zeros((8, 656), dtype=torch.uint8, device="cuda")
     host = torch.full((4, 656), 7, dtype=torch.uint8).pin_memory()
     error = torch.zeros((), dtype=torch.int64, device="cuda")
-    copy_host_rows(kv, torch.tensor([8, 1], device="cuda"), host, torch.tensor([0, 4], device="cuda"),
-                   torch.ones(2, dtype=torch.bool, device="cuda"), error=error)
+    copy_host_rows(
+        kv,
+        torch.tensor([8, 1], device="cuda"),
+        host,
+        torch.tensor([0, 4], device="cuda"),
+        torch.ones(2, dtype=torch.bool, device="cuda"),
+        error=error,
+    )
     torch.cuda.synchronize()
     rows_ok = int(error) == ERROR_ROW_OUT_OF_BOUNDS and not kv.any()
     case = page_copy_case(2, 2, 656, device="cuda")
@@ -340,8 +387,12 @@ def check_out_of_bounds_kernels() -> dict:
     # copy_pages refuses out-of-bounds indices on the host before they reach the device;
     # hand the op device indices directly to reach the in-kernel checks.
     torch.ops._hisparse_C.copy_pages(
-        case.caches, case.host_pool, torch.tensor([[0, 99], [1, 2]], device="cuda"),
-        torch.tensor([0, 1000], device="cuda"), False, error,
+        case.caches,
+        case.host_pool,
+        torch.tensor([[0, 99], [1, 2]], device="cuda"),
+        torch.tensor([0, 1000], device="cuda"),
+        False,
+        error,
     )
     torch.cuda.synchronize()
     pages_ok = int(error) == ERROR_PAGE_OUT_OF_BOUNDS and torch.equal(case.storage.cpu(), expected)
@@ -377,16 +428,22 @@ def worker_step(device: str, seed: int = 0) -> dict:
     caches = [torch.zeros((blocks * BLOCK, width), dtype=torch.uint8, device=device) for _ in WORKER_LAYERS]
     batch = SimpleNamespace(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)})
     resolution = HiSparseResolution(
-        SimpleNamespace(input_batch=batch), dict.fromkeys(WORKER_LAYERS, 0), dict.fromkeys(WORKER_LAYERS, 0),
-        BLOCK, hot_rows, host_pool, torch.device(device), max_pages=16,
+        SimpleNamespace(input_batch=batch),
+        dict.fromkeys(WORKER_LAYERS, 0),
+        dict.fromkeys(WORKER_LAYERS, 0),
+        BLOCK,
+        hot_rows,
+        host_pool,
+        torch.device(device),
+        max_pages=16,
     )
     next_host = iter(range(8))
     updates = [HostPageUpdate(r, p, next(next_host)) for r in order for p in host_pages[r]]
     leases = [HotLeaseUpdate(r, ((1 + 2 * i, 2 + 2 * i),)) for i, r in enumerate(order)]
     staging = [StepStaging("long", 2 * BLOCK, ((10, 11),))]
-    positions = torch.cat([
-        torch.randint(0, context[r] + n, (n, topk), generator=g) for r, n in scheduled.items()
-    ]).to(torch.int32)
+    positions = torch.cat(
+        [torch.randint(0, context[r] + n, (n, topk), generator=g) for r, n in scheduled.items()]
+    ).to(torch.int32)
     counts = torch.tensor([scheduled[r] for r in order])
     batch_rows = torch.repeat_interleave(torch.arange(len(order)), counts)
     rows = torch.zeros_like(positions, dtype=torch.int64)  # the backend's conversion: HOST -> the null block
@@ -401,10 +458,18 @@ def worker_step(device: str, seed: int = 0) -> dict:
             resolution.resolve_rows(layer, on["positions"], on["batch_rows"], on["rows"], cache, BLOCK)
         )
     device_counts, error, host_counts, _ = resolution.end_step()
-    return {"resolved": resolved, "caches": caches, "device_counts": device_counts, "error": error,
-            "host_counts": host_counts, "positions": positions, "host_pool": host_pool,
-            "host_pages": {r: [u.host_page for u in updates if u.request_id == r] for r in order},
-            "order": order, "scheduled": scheduled}
+    return {
+        "resolved": resolved,
+        "caches": caches,
+        "device_counts": device_counts,
+        "error": error,
+        "host_counts": host_counts,
+        "positions": positions,
+        "host_pool": host_pool,
+        "host_pages": {r: [u.host_page for u in updates if u.request_id == r] for r in order},
+        "order": order,
+        "scheduled": scheduled,
+    }
 
 
 def on_the_host(step: dict) -> dict:
@@ -473,8 +538,14 @@ def check_registered_host_pool(layers: int = 2, pages: int = 4, row_bytes: int =
         kv = torch.zeros((16, row_bytes), dtype=torch.uint8, device="cuda")
         error = torch.zeros((), dtype=torch.int64, device="cuda")
         host_rows = pool[0].flatten(0, 1)
-        copy_host_rows(kv, torch.tensor([3, 7]).cuda(), host_rows, torch.tensor([5, 200]).cuda(),
-                       torch.ones(2, dtype=torch.bool).cuda(), error=error)
+        copy_host_rows(
+            kv,
+            torch.tensor([3, 7]).cuda(),
+            host_rows,
+            torch.tensor([5, 200]).cuda(),
+            torch.ones(2, dtype=torch.bool).cuda(),
+            error=error,
+        )
         rows_ok = torch.equal(kv[3].cpu(), host_rows[5]) and torch.equal(kv[7].cpu(), host_rows[200])
         # Page copies: host page 1 -> device block 2 of each layer, then back into host page 3.
         caches = [torch.zeros((4, BLOCK, row_bytes), dtype=torch.uint8, device="cuda") for _ in range(layers)]
@@ -484,7 +555,11 @@ def check_registered_host_pool(layers: int = 2, pages: int = 4, row_bytes: int =
         torch.cuda.synchronize()
         pages_ok = all(torch.equal(caches[lay][2].cpu(), pool[lay, 1]) for lay in range(layers))
         pages_ok = pages_ok and torch.equal(pool[:, 3], pool[:, 1])
-        return {"bit_exact": rows_ok and pages_ok and int(error) == 0, "is_pinned": bool(pool.is_pinned()),
-                "rows": rows_ok, "pages": pages_ok}
+        return {
+            "bit_exact": rows_ok and pages_ok and int(error) == 0,
+            "is_pinned": bool(pool.is_pinned()),
+            "rows": rows_ok,
+            "pages": pages_ok,
+        }
     finally:
         memory.release()

@@ -10,10 +10,11 @@
 
 extern "C" void hisparse_plan_host(hisparse::PlanArgs* args) {
   const hisparse::PlanArgs& a = *args;
-  std::vector<int64_t> keys(a.max_entries), held(a.hot_pad), partial(hisparse::kPlanThreads + 1), scalars(4);
+  std::vector<int64_t> keys(a.max_entries), held(a.hot_pad), partial(hisparse::kPlanThreads + 1),
+      scalars(4);
   std::vector<int32_t> lanes(a.max_entries), tokens(a.max_entries / a.topk + 1);
-  const hisparse::PlanScratch scratch{keys.data(), held.data(), partial.data(), scalars.data(), lanes.data(),
-                                      tokens.data()};
+  const hisparse::PlanScratch scratch{keys.data(),    held.data(),  partial.data(),
+                                      scalars.data(), lanes.data(), tokens.data()};
   for (int64_t m = 0; m < a.num_requests; ++m) hisparse::plan_request(a, m, scratch);
 }
 

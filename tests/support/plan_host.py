@@ -16,12 +16,39 @@ import torch
 from vllm.v1.hisparse.resolver import HotState, ResolutionPlan, fused_plan_buffers, fused_plan_shape
 
 REPO = Path(__file__).resolve().parents[2]
-POINTERS_IN = ("positions", "token_requests", "host_page_table", "table_rows", "hot_positions", "hot_stamps",
-               "staging_slots")
-SIZES = ("num_tokens", "topk", "num_requests", "hot_rows", "table_height", "num_pages", "block_size", "step",
-         "max_entries", "hot_pad")
-POINTERS_OUT = ("on_host", "entry_request", "entry_slot", "load", "load_request", "load_slot",
-                "load_host_row", "counts", "error", "request_error")
+POINTERS_IN = (
+    "positions",
+    "token_requests",
+    "host_page_table",
+    "table_rows",
+    "hot_positions",
+    "hot_stamps",
+    "staging_slots",
+)
+SIZES = (
+    "num_tokens",
+    "topk",
+    "num_requests",
+    "hot_rows",
+    "table_height",
+    "num_pages",
+    "block_size",
+    "step",
+    "max_entries",
+    "hot_pad",
+)
+POINTERS_OUT = (
+    "on_host",
+    "entry_request",
+    "entry_slot",
+    "load",
+    "load_request",
+    "load_slot",
+    "load_host_row",
+    "counts",
+    "error",
+    "request_error",
+)
 
 
 class PlanArgs(ctypes.Structure):
@@ -39,9 +66,22 @@ def library(build_dir: Path) -> ctypes.CDLL:
         raise RuntimeError("a C++ compiler is needed to build the fused plan for the host")
     out = build_dir / "plan_host.so"
     subprocess.run(
-        [compiler, "-std=c++17", "-O2", "-Wall", "-Werror", "-shared", "-fPIC", f"-I{REPO / 'csrc'}",
-         str(REPO / "tests" / "support" / "plan_host.cpp"), "-o", str(out)],
-        check=True, capture_output=True, text=True,
+        [
+            compiler,
+            "-std=c++17",
+            "-O2",
+            "-Wall",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            f"-I{REPO / 'csrc'}",
+            str(REPO / "tests" / "support" / "plan_host.cpp"),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     lib = ctypes.CDLL(str(out))
     lib.hisparse_plan_args_size.restype = ctypes.c_int64
@@ -68,19 +108,39 @@ def fused_plan_on_host(
     most = int(torch.bincount(valid).max()) if valid.numel() else 1
     shape = fused_plan_shape(most, topk, hot.positions.shape[1])
     assert shape is not None, "the case does not fit the fused plan"
-    plan, inputs, (flags, ints) = fused_plan_buffers(positions, token_requests, host_page_table, table_rows,
-                                                     staging_slots)
+    plan, inputs, (flags, ints) = fused_plan_buffers(
+        positions, token_requests, host_page_table, table_rows, staging_slots
+    )
     positions32, requests64, table, rows64, staging64 = inputs
     entries = num_tokens * topk
     keep = [*inputs, hot.positions, hot.stamps, flags, ints]  # alive through the call
     args = PlanArgs(
-        positions32.data_ptr(), requests64.data_ptr(), table.data_ptr(), rows64.data_ptr(),
-        hot.positions.data_ptr(), hot.stamps.data_ptr(), staging64.data_ptr(),
-        num_tokens, topk, hot.positions.shape[0], hot.positions.shape[1], table.shape[0], table.shape[1],
-        block_size, step, shape[0], shape[1],
-        flags[0].data_ptr(), ints.data_ptr(), ints.data_ptr() + 8 * entries, flags[1].data_ptr(),
-        ints.data_ptr() + 16 * entries, ints.data_ptr() + 24 * entries, ints.data_ptr() + 32 * entries,
-        ints.data_ptr() + 40 * entries, ints.data_ptr() + 8 * (5 * entries + 3),
+        positions32.data_ptr(),
+        requests64.data_ptr(),
+        table.data_ptr(),
+        rows64.data_ptr(),
+        hot.positions.data_ptr(),
+        hot.stamps.data_ptr(),
+        staging64.data_ptr(),
+        num_tokens,
+        topk,
+        hot.positions.shape[0],
+        hot.positions.shape[1],
+        table.shape[0],
+        table.shape[1],
+        block_size,
+        step,
+        shape[0],
+        shape[1],
+        flags[0].data_ptr(),
+        ints.data_ptr(),
+        ints.data_ptr() + 8 * entries,
+        flags[1].data_ptr(),
+        ints.data_ptr() + 16 * entries,
+        ints.data_ptr() + 24 * entries,
+        ints.data_ptr() + 32 * entries,
+        ints.data_ptr() + 40 * entries,
+        ints.data_ptr() + 8 * (5 * entries + 3),
         ints.data_ptr() + 8 * (5 * entries + 4),
     )
     lib.hisparse_plan_host(ctypes.byref(args))

@@ -130,13 +130,15 @@ def brute_force(s: Scenario) -> tuple[list[list[int]], list[list[int]], list[lis
     table_rows = s.table_rows.tolist()
     slot_of: dict[tuple[int, int], int] = {}
     for m in range(len(held)):
-        wanted = sorted({
-            p
-            for t, entries in enumerate(s.positions.tolist())
-            if int(s.token_requests[t]) == m
-            for p in entries
-            if p >= 0 and table[table_rows[m]][p // BLOCK] >= 0
-        })
+        wanted = sorted(
+            {
+                p
+                for t, entries in enumerate(s.positions.tolist())
+                if int(s.token_requests[t]) == m
+                for p in entries
+                if p >= 0 and table[table_rows[m]][p // BLOCK] >= 0
+            }
+        )
         hits = [p for p in wanted if p in held[m]]
         selected = {held[m].index(p) for p in hits}
         eligible = sorted((i for i in range(hot_slots) if i not in selected), key=lambda i: (stamps[m][i], i))

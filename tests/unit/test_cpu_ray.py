@@ -17,7 +17,9 @@ def test_a_cpu_worker_asks_ray_for_no_resource_beyond_its_bundle_and_has_no_devi
 @pytest.fixture(scope="module")
 def tp2_config(tiny_glm_dsa_dir):
     return EngineArgs(
-        model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, tensor_parallel_size=2,
+        model=str(tiny_glm_dsa_dir),
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
         distributed_executor_backend="ray",
     ).create_engine_config()
 

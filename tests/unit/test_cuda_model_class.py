@@ -70,8 +70,11 @@ def test_deepseek_v32_attention_reaches_the_resolver_only_through_forward_mqa():
     reads = [c for node in attention.body if isinstance(node, ast.FunctionDef) for c in calls(node)]
     assert "self.impl.forward_mqa" in reads, "the top-K path patch 0011 decorates"
     # Its one other way to attend is the MHA prefill, gated by _use_sparse_mha.
-    mha = [node for node in ast.walk(attention) if isinstance(node, ast.If)
-           and "self._use_sparse_mha" in calls(node.test)]
+    mha = [
+        node
+        for node in ast.walk(attention)
+        if isinstance(node, ast.If) and "self._use_sparse_mha" in calls(node.test)
+    ]
     assert mha
     for node in mha:
         assert "self.forward_impl" in calls(ast.Module(body=node.body, type_ignores=[]))
@@ -86,7 +89,8 @@ def test_with_hisparse_on_the_mha_prefill_never_runs(tiny_glm_dsa_dir, dense):
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     config = EngineArgs(
-        model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True,
+        model=str(tiny_glm_dsa_dir),
+        skip_tokenizer_init=True,
         attention_config={"hisparse_config": {"host_pool_gib": 1}},
     ).create_engine_config()
     layer = SimpleNamespace(prefill_backend=None, _vllm_config=config)

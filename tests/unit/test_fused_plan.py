@@ -30,17 +30,40 @@ def build_dir(tmp_path_factory):
 def both_plans(s: Scenario, build_dir):
     hot_ref = HotState(s.hot.positions.clone(), s.hot.stamps.clone())
     hot_fused = HotState(s.hot.positions.clone(), s.hot.stamps.clone())
-    ref = plan_resolution(s.positions, s.token_requests, s.host_page_table, BLOCK, hot_ref, s.staging_slots,
-                          s.step, s.table_rows)
-    fused = fused_plan_on_host(build_dir, s.positions, s.token_requests, s.host_page_table, BLOCK, hot_fused,
-                               s.staging_slots, s.step, s.table_rows)
+    ref = plan_resolution(
+        s.positions,
+        s.token_requests,
+        s.host_page_table,
+        BLOCK,
+        hot_ref,
+        s.staging_slots,
+        s.step,
+        s.table_rows,
+    )
+    fused = fused_plan_on_host(
+        build_dir,
+        s.positions,
+        s.token_requests,
+        s.host_page_table,
+        BLOCK,
+        hot_fused,
+        s.staging_slots,
+        s.step,
+        s.table_rows,
+    )
     return ref, hot_ref, fused, hot_fused
 
 
 def loads(plan) -> list[tuple[int, int, int]]:
     chosen = plan.load
-    return sorted(zip(plan.load_request[chosen].tolist(), plan.load_slot[chosen].tolist(),
-                      plan.load_host_row[chosen].tolist(), strict=True))
+    return sorted(
+        zip(
+            plan.load_request[chosen].tolist(),
+            plan.load_slot[chosen].tolist(),
+            plan.load_host_row[chosen].tolist(),
+            strict=True,
+        )
+    )
 
 
 @settings(max_examples=250, deadline=None)
@@ -101,7 +124,6 @@ def test_production_sized_steps_fit_the_fused_plan_and_prefill_chunks_do_not():
     assert fused_plan_shape(5, 2048, 4096) is None
     assert fused_plan_shape(1, 2048, 8193) is None
     assert fused_plan_shape(8192, 2048, 4096) is None, "an 8K-token prefill chunk"
-
 
 
 @pytest.mark.parametrize("seed", [38, 55])

@@ -153,7 +153,9 @@ def test_startup_rejects_a_host_pool_without_room_for_one_page(tiny_glm_dsa_dir)
 def test_startup_rejects_hisparse_without_the_hybrid_kv_cache_manager(tiny_glm_dsa_dir):
     with pytest.raises(ValueError, match="remove --disable-hybrid-kv-cache-manager"):
         EngineArgs(
-            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, disable_hybrid_kv_cache_manager=True,
+            model=str(tiny_glm_dsa_dir),
+            skip_tokenizer_init=True,
+            disable_hybrid_kv_cache_manager=True,
             attention_config={"hisparse_config": {"host_pool_gib": 1}},
         ).create_engine_config()
 
@@ -168,9 +170,17 @@ def test_verify_is_a_no_op_when_hisparse_is_off(tiny_glm_dsa_dir):
 def test_vllm_serve_rejects_a_bad_hisparse_config_before_loading_anything():
     vllm = REPO / ".venv" / "bin" / "vllm"
     done = subprocess.run(
-        [str(vllm), "serve", "no/such-model", "--attention-config",
-         '{"hisparse_config":{"host_pool_gib":-1}}'],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            str(vllm),
+            "serve",
+            "no/such-model",
+            "--attention-config",
+            '{"hisparse_config":{"host_pool_gib":-1}}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"{POOL_RANGE} (got -1" in done.stderr
@@ -223,7 +233,9 @@ def test_the_tensor_parallel_ranks_of_a_node_share_the_whole_host_pool(tiny_glm_
 def test_startup_refuses_pipeline_parallelism_naming_the_flag_and_the_config(tiny_glm_dsa_dir):
     with pytest.raises(ValueError) as raised:
         EngineArgs(
-            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, pipeline_parallel_size=2,
+            model=str(tiny_glm_dsa_dir),
+            skip_tokenizer_init=True,
+            pipeline_parallel_size=2,
             attention_config={"hisparse_config": {"host_pool_gib": 1}},
         ).create_engine_config()
     message = str(raised.value)
@@ -350,7 +362,9 @@ def test_startup_refuses_micro_batching_naming_both_settings(tiny_glm_dsa_dir, f
 def test_startup_names_an_index_topk_of_zero_plainly(tiny_glm_dsa_dir):
     with pytest.raises(ValueError, match=r"index_topk=0: a sparse-MLA model selects at least one row"):
         EngineArgs(
-            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, hf_overrides={"index_topk": 0},
+            model=str(tiny_glm_dsa_dir),
+            skip_tokenizer_init=True,
+            hf_overrides={"index_topk": 0},
             attention_config={"hisparse_config": {"host_pool_gib": 1}},
         ).create_engine_config()
 
@@ -359,7 +373,9 @@ def test_startup_refuses_a_hot_buffer_larger_than_any_context(tiny_glm_dsa_dir):
     # Hot rows past a request's whole context are never used; an absurd size is a typo.
     with pytest.raises(ValueError, match=r"device_buffer_size is 100000 rows, more than .* at most 2048"):
         EngineArgs(
-            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, max_model_len=2048,
+            model=str(tiny_glm_dsa_dir),
+            skip_tokenizer_init=True,
+            max_model_len=2048,
             attention_config={"hisparse_config": {"host_pool_gib": 1, "device_buffer_size": 100000}},
         ).create_engine_config()
 

@@ -54,7 +54,8 @@ def test_gpu_check_stops_with_a_reason_on_a_machine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA host: gpu_check would run for real")
     script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-    done = subprocess.run([sys.executable, str(script), "--out", "/dev/null"], capture_output=True, text=True,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", "/dev/null"], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr

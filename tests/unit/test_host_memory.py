@@ -25,7 +25,7 @@ def test_the_pool_is_one_mapping_of_exactly_its_bytes(shape, dtype):
     assert isinstance(memory._mapping, mmap.mmap)
     assert not memory.registered and not pool.any(), "anonymous memory starts zeroed"
     pool[-1, -1, -1, -1] = 1
-    last = memory._mapping[wanted - pool.element_size():]
+    last = memory._mapping[wanted - pool.element_size() :]
     assert last.count(0) < pool.element_size(), "the tensor is the mapping"
 
 
@@ -66,11 +66,17 @@ def test_the_ram_check_honours_the_tightest_cgroup_v2_limit_up_the_tree(tmp_path
     from vllm.v1.hisparse.host_memory import cgroup_memory_headroom
 
     root = tmp_path / "cgroup"
-    _tree(root, {
-        "ctr/job/memory.max": "1000000\n", "ctr/job/memory.current": "300000\n",
-        "ctr/memory.max": "500000\n", "ctr/memory.current": "450000\n",
-        "memory.max": "max\n", "memory.current": "7\n",
-    })
+    _tree(
+        root,
+        {
+            "ctr/job/memory.max": "1000000\n",
+            "ctr/job/memory.current": "300000\n",
+            "ctr/memory.max": "500000\n",
+            "ctr/memory.current": "450000\n",
+            "memory.max": "max\n",
+            "memory.current": "7\n",
+        },
+    )
     proc = tmp_path / "cgroup.txt"
     proc.write_text("0::/ctr/job\n")
     assert cgroup_memory_headroom(root, proc) == 50000, "the parent's 50 KB is the tighter room"
@@ -83,10 +89,15 @@ def test_the_ram_check_honours_a_cgroup_v1_memory_limit(tmp_path):
     from vllm.v1.hisparse.host_memory import cgroup_memory_headroom
 
     root = tmp_path / "cgroup"
-    _tree(root, {
-        "memory/box/memory.limit_in_bytes": "2000000\n", "memory/box/memory.usage_in_bytes": "500000\n",
-        "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "9\n",
-    })
+    _tree(
+        root,
+        {
+            "memory/box/memory.limit_in_bytes": "2000000\n",
+            "memory/box/memory.usage_in_bytes": "500000\n",
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",
+            "memory/memory.usage_in_bytes": "9\n",
+        },
+    )
     proc = tmp_path / "cgroup.txt"
     proc.write_text("9:name=systemd:/\n4:memory:/box\n0::/\n")
     assert cgroup_memory_headroom(root, proc) == 1500000
@@ -116,8 +127,10 @@ def test_a_pool_larger_than_its_containers_memory_limit_is_refused_not_oom_kille
     from pathlib import Path
 
     group = None
-    for base, limit in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
-                        (Path("/sys/fs/cgroup"), "memory.max")):
+    for base, limit in (
+        (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+        (Path("/sys/fs/cgroup"), "memory.max"),
+    ):
         candidate = base / f"hisparse-test-{uuid.uuid4().hex[:8]}"
         try:
             candidate.mkdir()
@@ -131,8 +144,12 @@ def test_a_pool_larger_than_its_containers_memory_limit_is_refused_not_oom_kille
     if group is None:
         pytest.skip("this machine does not let the test create a memory cgroup (needs root and cgroupfs)")
     try:
-        done = subprocess.run([sys.executable, "-c", POOL_IN_A_CGROUP, str(group / "cgroup.procs")],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", POOL_IN_A_CGROUP, str(group / "cgroup.procs")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         group.rmdir()
     assert done.returncode == 3, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])

@@ -54,7 +54,7 @@ def test_hisparse_modules_import_each_other_without_a_cycle():
 
     def visit(name: str, path: list[str]) -> None:
         if name in path:
-            cycle = [*path[path.index(name):], name]
+            cycle = [*path[path.index(name) :], name]
             raise AssertionError("import cycle: " + " -> ".join(cycle))
         if name in done:
             return

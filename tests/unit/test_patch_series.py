@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 import patches
 from patches import PatchError, diff_file, load_series, parse_patch
 
-SAMPLE_MODULE = "".join(f"# line {i}\n" for i in range(10)) + (
-    "def add(a, b):\n    return a + b\n"
-) + "".join(f"# tail {i}\n" for i in range(10))
+SAMPLE_MODULE = (
+    "".join(f"# line {i}\n" for i in range(10))
+    + ("def add(a, b):\n    return a + b\n")
+    + "".join(f"# tail {i}\n" for i in range(10))
+)
 
 
 def test_series_lists_every_patch_file_exactly_once():
@@ -32,7 +34,7 @@ def test_every_patch_header_states_what_why_how_and_when_to_drop():
         for field in patches.HEADER_FIELDS:
             lines = [line for line in patch.header.splitlines() if line.startswith(field)]
             assert lines, f"{patch.name} header lacks {field!r}"
-            assert lines[0][len(field):].strip(), f"{patch.name}: {field} is empty"
+            assert lines[0][len(field) :].strip(), f"{patch.name}: {field} is empty"
         assert "<fill in>" not in patch.header, f"{patch.name} header still has placeholders"
 
 

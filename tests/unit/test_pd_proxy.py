@@ -27,8 +27,12 @@ import pd_proxy
 
 # What a hostile client sends: a remote prefill from a peer it chose.
 HOSTILE = {
-    "do_remote_prefill": True, "remote_engine_id": "attacker", "remote_host": "10.6.6.6",
-    "remote_port": 5600, "remote_block_ids": [[-5, 123456]], "remote_request_id": "victim-req",
+    "do_remote_prefill": True,
+    "remote_engine_id": "attacker",
+    "remote_host": "10.6.6.6",
+    "remote_port": 5600,
+    "remote_block_ids": [[-5, 123456]],
+    "remote_request_id": "victim-req",
 }
 
 
@@ -82,8 +86,9 @@ def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[
 
 
 def post_with_headers(url: str, body: bytes, headers: dict[str, str] | None = None):
-    request = urllib.request.Request(url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.read(), {k.lower(): v for k, v in response.headers.items()}

@@ -64,8 +64,14 @@ def _step(indexer_layers: list[str], long_on_host: bool = True, seed: int = 0):
     host_pool = torch.randn(len(LAYERS), 2 * HOST_PAGES + DECODES, BLOCK, WIDTH)
     owners = topk_owner_of_layer(LAYERS, indexer_layers)
     resolution = HiSparseResolution(
-        _Runner(order), dict.fromkeys(LAYERS, 0), owners, BLOCK, HOT_ROWS, host_pool,
-        torch.device("cpu"), max_pages=(2 * CHUNK) // BLOCK + 2,
+        _Runner(order),
+        dict.fromkeys(LAYERS, 0),
+        owners,
+        BLOCK,
+        HOT_ROWS,
+        host_pool,
+        torch.device("cpu"),
+        max_pages=(2 * CHUNK) // BLOCK + 2,
     )
     next_block = iter(range(1, blocks))
     host_pages, leases, staging = [], [], []
@@ -173,7 +179,9 @@ def test_the_profile_reserve_is_the_plan_bound_and_the_standing_state_for_the_co
 
     def config_with(attention_config):
         return make_vllm_config(
-            max_model_len=4096, max_num_batched_tokens=1024, max_num_seqs=16,
+            max_model_len=4096,
+            max_num_batched_tokens=1024,
+            max_num_seqs=16,
             attention_config=attention_config,
         )
 
@@ -203,8 +211,10 @@ def test_the_planned_tokens_from_host_ranges_resolve_as_the_counted_ones_do():
         resolution, positions, batch_rows, rows, kv, _, _ = _step(LAYERS[:2])
         if not ranges_known:
             resolution.start_step(None)  # no counts: the rows are found by a count
-        out = [resolution.resolve_rows(layer, positions, batch_rows, rows, cache, BLOCK)
-               for layer, cache in zip(LAYERS, kv, strict=True)]
+        out = [
+            resolution.resolve_rows(layer, positions, batch_rows, rows, cache, BLOCK)
+            for layer, cache in zip(LAYERS, kv, strict=True)
+        ]
         assert (resolution._step().planned_tokens(positions.shape[0]) is not None) == ranges_known
         return out
 

@@ -392,15 +392,23 @@ def test_the_glm53_preset_shares_indexers_reaches_1m_positions_and_carries_mtp_a
     glm5, _ = planner.read_model_config(GLM5_PRESET)
     changed = {k for k in data if data[k] != glm5.get(k)}
     assert changed == {
-        "index_topk_freq", "index_skip_topk_offset", "max_position_embeddings", "num_nextn_predict_layers",
+        "index_topk_freq",
+        "index_skip_topk_offset",
+        "max_position_embeddings",
+        "num_nextn_predict_layers",
         "quantization_config",
     }
 
 
 def test_glm53_at_1m_on_the_announcements_node_starts_only_with_hybrid_and_pays_for_the_resolver():
     request = PlanRequest(
-        **{**ANNOUNCEMENT, "model": "glm-5.3", "weights_dtype": "auto", "max_model_len": MILLION,
-           "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
+        **{
+            **ANNOUNCEMENT,
+            "model": "glm-5.3",
+            "weights_dtype": "auto",
+            "max_model_len": MILLION,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 3},
+        }
     )
     result = plan(request)
     assert result.num_indexer_layers == 21 and result.max_model_len == MILLION
@@ -446,15 +454,26 @@ def test_the_deploy_docs_capacity_plan_is_what_the_planner_prints_for_its_comman
 
 SERVE_LINE = (
     "vllm serve glm-5.3 --tensor-parallel-size 8 --max-model-len 1048576 --kv-cache-dtype fp8 "
-    "--attention-config '{\"hisparse_config\":{\"host_pool_gib\":384}}' --kv-offloading-size 128 "
+    '--attention-config \'{"hisparse_config":{"host_pool_gib":384}}\' --kv-offloading-size 128 '
     "--served-model-name glm --enable-prefix-caching --max-num-seqs 64"
 )
 
 
 def test_a_whole_serve_line_plans_as_its_flags_do_and_lists_the_flags_it_does_not_use(capsys):
     flags = (
-        "--model", "glm-5.3", "-tp", "8", "--max-model-len", "1048576", "--kv-cache-dtype", "fp8",
-        *HISPARSE_FLAG, "--kv-offloading-size", "128", "--max-num-seqs", "64",
+        "--model",
+        "glm-5.3",
+        "-tp",
+        "8",
+        "--max-model-len",
+        "1048576",
+        "--kv-cache-dtype",
+        "fp8",
+        *HISPARSE_FLAG,
+        "--kv-offloading-size",
+        "128",
+        "--max-num-seqs",
+        "64",
     )
     code, by_flags, _ = run(capsys, *flags, "--gpu-memory-gib", "141", "--format", "json")
     assert code == 0
@@ -502,9 +521,15 @@ def test_the_plan_reports_what_hisparses_kv_cache_groups_cost_the_device(preset)
 @pytest.mark.parametrize(
     ("flag", "value"),
     [
-        ("--session-tokens", "0"), ("--session-tokens", "-5"), ("--gpu-memory-utilization", "1.5"),
-        ("--gpu-memory-utilization", "0"), ("--gpu-memory-gib", "inf"), ("--gpu-memory-gib", "nan"),
-        ("--tensor-parallel-size", "0"), ("--overhead-gib", "-1"), ("--max-num-seqs", "0"),
+        ("--session-tokens", "0"),
+        ("--session-tokens", "-5"),
+        ("--gpu-memory-utilization", "1.5"),
+        ("--gpu-memory-utilization", "0"),
+        ("--gpu-memory-gib", "inf"),
+        ("--gpu-memory-gib", "nan"),
+        ("--tensor-parallel-size", "0"),
+        ("--overhead-gib", "-1"),
+        ("--max-num-seqs", "0"),
     ],
 )
 def test_the_planner_refuses_impossible_arguments_naming_the_flag(flag, value, capsys):

@@ -87,8 +87,17 @@ def test_reference_matches_the_contract_and_reads_the_true_rows(
 
 
 def one_request(seed: int, hot_slots: int, staging: int = 0) -> Scenario:
-    s = build(seed, num_reqs=1, pages=3, hot_slots=hot_slots, tokens=1, topk=1, resident_p=0.0,
-              hot_fill=0, staging=staging)
+    s = build(
+        seed,
+        num_reqs=1,
+        pages=3,
+        hot_slots=hot_slots,
+        tokens=1,
+        topk=1,
+        resident_p=0.0,
+        hot_fill=0,
+        staging=staging,
+    )
     assert len(s.table_rows) == 1
     return s
 
@@ -102,8 +111,9 @@ def with_selection(s: Scenario, selection: list[list[int]]) -> Scenario:
         s,
         positions=positions,
         token_requests=torch.zeros(len(selection), dtype=torch.int64),
-        rows=dsa_torch.positions_to_slots(positions, torch.zeros(len(selection), dtype=torch.int64),
-                                          null_table, BLOCK),
+        rows=dsa_torch.positions_to_slots(
+            positions, torch.zeros(len(selection), dtype=torch.int64), null_table, BLOCK
+        ),
         batch_request=[0] * len(selection),
     )
 
@@ -141,8 +151,9 @@ def test_a_step_beyond_the_hot_buffer_stages_the_rest_and_keeps_them_out_of_the_
 
 def test_a_step_beyond_hot_and_staging_rows_is_an_error_not_a_wrong_row():
     s = with_selection(one_request(3, hot_slots=2, staging=1), [[1, 6, 7, 9]])
-    plan = plan_resolution(s.positions, s.token_requests, s.host_page_table, BLOCK, s.hot, s.staging_slots,
-                           s.step, s.table_rows)
+    plan = plan_resolution(
+        s.positions, s.token_requests, s.host_page_table, BLOCK, s.hot, s.staging_slots, s.step, s.table_rows
+    )
     assert int(plan.error) & ERROR_STAGING_OVERFLOW
     assert int(plan.rows_loaded) == 3, "the rows that fit are still served"
 
@@ -151,8 +162,16 @@ def test_a_staging_overflow_is_the_overflowing_requests_own_error():
     s = build(3, num_reqs=2, pages=3, hot_slots=2, tokens=1, topk=1, resident_p=0.0, hot_fill=0, staging=1)
     assert len(s.table_rows) == 2
     positions = torch.tensor([[1, 6, 7, 9], [2, 5, -1, -1]])  # request 0: 4 rows; request 1: 2
-    plan = plan_resolution(positions, torch.tensor([0, 1]), s.host_page_table, BLOCK, s.hot,
-                           torch.tensor([1, 1]), s.step, s.table_rows)
+    plan = plan_resolution(
+        positions,
+        torch.tensor([0, 1]),
+        s.host_page_table,
+        BLOCK,
+        s.hot,
+        torch.tensor([1, 1]),
+        s.step,
+        s.table_rows,
+    )
     assert int(plan.error) & ERROR_STAGING_OVERFLOW
     assert plan.request_error.tolist() == [ERROR_STAGING_OVERFLOW, 0], "request 1 fits its hot buffer"
 
@@ -186,14 +205,16 @@ def test_bad_shapes_are_refused_with_the_shapes_seen():
     hot_fill=st.integers(0, 12),
     staging=st.integers(0, 8),
 )
-def test_a_plan_never_copies_two_rows_into_one_destination(seed, num_reqs, hot_slots, tokens, topk, hot_fill,
-                                                           staging):
+def test_a_plan_never_copies_two_rows_into_one_destination(
+    seed, num_reqs, hot_slots, tokens, topk, hot_fill, staging
+):
     """The row copy kernel's warps never race: every copied entry has its own destination row."""
     s = build(seed, num_reqs, 4, hot_slots, tokens, topk, 0.3, hot_fill, staging)
     if not len(s.table_rows):
         return
-    plan = plan_resolution(s.positions, s.token_requests, s.host_page_table, BLOCK, s.hot, s.staging_slots,
-                           s.step, s.table_rows)
+    plan = plan_resolution(
+        s.positions, s.token_requests, s.host_page_table, BLOCK, s.hot, s.staging_slots, s.step, s.table_rows
+    )
     destinations = s.slot_rows[plan.load_request, plan.load_slot][plan.load]
     assert torch.unique(destinations).numel() == destinations.numel()
 
@@ -211,16 +232,18 @@ def test_the_row_copy_reference_raises_on_out_of_bounds_rows_and_shared_destinat
     kv_rows = torch.zeros(9, 3)
     host_rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     with pytest.raises(ResolverError, match=message):
-        copy_host_rows(kv_rows, torch.tensor(dst), host_rows, torch.tensor(src),
-                       torch.ones(2, dtype=torch.bool))
+        copy_host_rows(
+            kv_rows, torch.tensor(dst), host_rows, torch.tensor(src), torch.ones(2, dtype=torch.bool)
+        )
     assert not kv_rows.any(), "nothing is written"
 
 
 def test_masked_entries_are_not_checked_or_copied():
     kv_rows = torch.zeros(9, 3)
     host_rows = torch.arange(12, dtype=torch.float32).reshape(4, 3)
-    copy_host_rows(kv_rows, torch.tensor([2, 99]), host_rows, torch.tensor([1, -5]),
-                   torch.tensor([True, False]))
+    copy_host_rows(
+        kv_rows, torch.tensor([2, 99]), host_rows, torch.tensor([1, -5]), torch.tensor([True, False])
+    )
     assert torch.equal(kv_rows[2], host_rows[1]) and kv_rows.sum() == host_rows[1].sum()
 
 
@@ -241,10 +264,12 @@ def test_error_bits_match_the_kernels():
 
     header = (Path(__file__).resolve().parents[2] / "csrc" / "hisparse_errors.h").read_text()
     bits = {name: int(value) for name, value in re.findall(r"kError(\w+) = (\d+)ull", header)}
-    assert bits == {"StagingOverflow": resolver.ERROR_STAGING_OVERFLOW,
-                    "RowOutOfBounds": resolver.ERROR_ROW_OUT_OF_BOUNDS,
-                    "PageOutOfBounds": resolver.ERROR_PAGE_OUT_OF_BOUNDS,
-                    "RequestOutOfBounds": resolver.ERROR_REQUEST_OUT_OF_BOUNDS}
+    assert bits == {
+        "StagingOverflow": resolver.ERROR_STAGING_OVERFLOW,
+        "RowOutOfBounds": resolver.ERROR_ROW_OUT_OF_BOUNDS,
+        "PageOutOfBounds": resolver.ERROR_PAGE_OUT_OF_BOUNDS,
+        "RequestOutOfBounds": resolver.ERROR_REQUEST_OUT_OF_BOUNDS,
+    }
     assert page_copy.ERROR_PAGE_OUT_OF_BOUNDS == resolver.ERROR_PAGE_OUT_OF_BOUNDS
     every = [v for k, v in vars(resolver).items() if k.startswith("ERROR_")]
     assert len(set(every)) == len(every) and all(v & (v - 1) == 0 for v in every), "distinct single bits"
@@ -276,11 +301,22 @@ def test_a_step_beyond_hot_and_staging_rows_resolves_in_passes_that_read_the_tru
         return
     capacity = hot_slots + s.staging_slots
     table = s.host_page_table
-    token_pass, num_passes = partition_passes(s.positions, s.token_requests, table, s.table_rows, BLOCK,
-                                              capacity)
+    token_pass, num_passes = partition_passes(
+        s.positions, s.token_requests, table, s.table_rows, BLOCK, capacity
+    )
     assert num_passes == int(token_pass.max()) + 1
-    passes = plan_passes(s.positions, s.token_requests, table, BLOCK, s.hot, s.staging_slots, s.step,
-                         s.table_rows, token_pass, num_passes)
+    passes = plan_passes(
+        s.positions,
+        s.token_requests,
+        table,
+        BLOCK,
+        s.hot,
+        s.staging_slots,
+        s.step,
+        s.table_rows,
+        token_pass,
+        num_passes,
+    )
     on_host = host_entries(s.positions, s.token_requests, s.host_page_table, s.table_rows, BLOCK)
     for p, (tokens_p, plan) in enumerate(passes):
         assert int(plan.error) == 0, f"pass {p} overflowed"
@@ -310,10 +346,17 @@ def test_a_chunk_over_a_long_host_context_takes_passes_not_a_shorter_chunk():
     two tokens fit a pass, so four passes; one token per pass would waste passes."""
     s = build(1, num_reqs=1, pages=8, hot_slots=4, tokens=1, topk=4, resident_p=0.0, hot_fill=0, staging=4)
     positions = torch.arange(32).view(8, 4)
-    token_pass, num_passes = partition_passes(positions, torch.zeros(8, dtype=torch.int64), s.host_page_table,
-                                              s.table_rows, BLOCK, torch.tensor([8]))
+    token_pass, num_passes = partition_passes(
+        positions,
+        torch.zeros(8, dtype=torch.int64),
+        s.host_page_table,
+        s.table_rows,
+        BLOCK,
+        torch.tensor([8]),
+    )
     assert token_pass.tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and num_passes == 4
     shared = torch.tensor([[0, 1, 2, 3]] * 8)  # every token selects the same rows: one pass
-    token_pass, num_passes = partition_passes(shared, torch.zeros(8, dtype=torch.int64), s.host_page_table,
-                                              s.table_rows, BLOCK, torch.tensor([8]))
+    token_pass, num_passes = partition_passes(
+        shared, torch.zeros(8, dtype=torch.int64), s.host_page_table, s.table_rows, BLOCK, torch.tensor([8])
+    )
     assert token_pass.tolist() == [0] * 8 and num_passes == 1

@@ -145,8 +145,16 @@ def masked(rows: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     return rows
 
 
-def fake_convert(req_id, block_table, token_indices, BLOCK_SIZE=64, BLOCK_STRIDE_ROWS=None,
-                 NUM_TOPK_TOKENS=None, return_valid_counts=False, **kwargs):
+def fake_convert(
+    req_id,
+    block_table,
+    token_indices,
+    BLOCK_SIZE=64,
+    BLOCK_STRIDE_ROWS=None,
+    NUM_TOPK_TOKENS=None,
+    return_valid_counts=False,
+    **kwargs,
+):
     """Upstream's Triton conversion, in torch (the GPU seam)."""
     rows = dsa_torch.positions_to_slots(token_indices, req_id, block_table, BLOCK_SIZE, BLOCK_STRIDE_ROWS)
     rows = rows.to(torch.int32)
@@ -170,15 +178,25 @@ def flashmla(monkeypatch, case: Case, calls: KernelCalls):
         out = dsa_torch.sparse_mla_attention(q, kv[:, 0], rows, sm_scale, LATENT)
         return out, None, torch.zeros(q.shape[0], q.shape[1])
 
-    def with_kvcache(q, k_cache, block_table, head_dim_v, cache_seqlens, tile_scheduler_metadata,
-                     is_fp8_kvcache, indices, softmax_scale):
+    def with_kvcache(
+        q,
+        k_cache,
+        block_table,
+        head_dim_v,
+        cache_seqlens,
+        tile_scheduler_metadata,
+        is_fp8_kvcache,
+        indices,
+        softmax_scale,
+    ):
         calls.count += 1
         assert is_fp8_kvcache and head_dim_v == LATENT
         # Paged indices: block * 64 + offset, the block found through the cache's stride.
         rows = k_cache[:, :, 0].reshape(-1, FP8_WIDTH)[:, :WIDTH].float() / 64
         b, s, h, d = q.shape
-        out = dsa_torch.sparse_mla_attention(q.reshape(b * s, h, d), rows, indices.reshape(b * s, -1).long(),
-                                             softmax_scale, LATENT)
+        out = dsa_torch.sparse_mla_attention(
+            q.reshape(b * s, h, d), rows, indices.reshape(b * s, -1).long(), softmax_scale, LATENT
+        )
         return out.reshape(b, s, h, LATENT), torch.zeros(b, h, s)
 
     def concat_mla_q(ql_nope, q_pe, out):
@@ -220,8 +238,9 @@ def flashinfer(monkeypatch, case: Case, calls: KernelCalls):
         assert not return_lse
         # Flat rows: other layers' pages between blocks are skipped by the row index.
         rows, _ = flat_kv_row_view(kv_cache[:, 0], BLOCK)
-        out = dsa_torch.sparse_mla_attention(query[:, 0], rows, masked(block_tables[:, 0], seq_lens),
-                                             bmm1_scale, LATENT)
+        out = dsa_torch.sparse_mla_attention(
+            query[:, 0], rows, masked(block_tables[:, 0], seq_lens), bmm1_scale, LATENT
+        )
         return out.unsqueeze(1)
 
     decode = types.ModuleType("flashinfer.decode")
@@ -245,13 +264,26 @@ def flashinfer(monkeypatch, case: Case, calls: KernelCalls):
 
 
 def flashattn(monkeypatch, case: Case, calls: KernelCalls):
-    def varlen(q, k, v, q_v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
-               softmax_scale, causal, fa_version):
+    def varlen(
+        q,
+        k,
+        v,
+        q_v,
+        max_seqlen_q,
+        cu_seqlens_q,
+        max_seqlen_k,
+        seqused_k,
+        block_table,
+        softmax_scale,
+        causal,
+        fa_version,
+    ):
         calls.count += 1
         assert max_seqlen_q == 1 and causal
         rows = torch.cat([v[:, 0, 0], k[:, 0, 0]], dim=-1)
-        return dsa_torch.sparse_mla_attention(torch.cat([q_v, q], dim=-1), rows,
-                                              masked(block_table, seqused_k), softmax_scale, LATENT)
+        return dsa_torch.sparse_mla_attention(
+            torch.cat([q_v, q], dim=-1), rows, masked(block_table, seqused_k), softmax_scale, LATENT
+        )
 
     # The FlashAttention extension is CUDA-only: its interface module is the seam.
     interface = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
@@ -350,8 +382,11 @@ def conversion_inside_a_resolving_layer(monkeypatch, **kwargs):
     worker.begin_step(plan(((0, 0), (1, 1))))
     resolution = hisparse_resolution.active_resolution()
     assert resolution is not None and resolution.resolves(LAYER)
-    monkeypatch.setattr(sparse_mla, "_resolving", sparse_mla._ResolvingLayer(
-        resolution, LAYER, case.cache, BLOCK, sparse_mla.flat_row_view))
+    monkeypatch.setattr(
+        sparse_mla,
+        "_resolving",
+        sparse_mla._ResolvingLayer(resolution, LAYER, case.cache, BLOCK, sparse_mla.flat_row_view),
+    )
     try:
         return sparse_mla.convert_req_index_to_global_index(
             torch.tensor(REQ_ID_PER_TOKEN, dtype=torch.int32),

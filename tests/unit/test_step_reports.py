@@ -99,8 +99,9 @@ def test_a_step_without_a_plan_still_collects_the_reports_that_are_done():
     )
     event = FakeEvent()
     worker.reports._pending.append(report([41, 42], rows_loaded=5, max_calls=1, event=event))
-    step = SimpleNamespace(hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None,
-                           num_scheduled_tokens={})
+    step = SimpleNamespace(
+        hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None, num_scheduled_tokens={}
+    )
     worker.begin_step(step)
     held = worker.finish_step(SimpleNamespace())
     assert held.hisparse_copied == [], "still running: nothing reported yet"

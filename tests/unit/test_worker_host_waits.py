@@ -35,7 +35,12 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 GLUE = ("resolution.py", "worker.py", "page_copy.py", "sparse_mla.py")
 # Operations whose output size depends on their input's values: the host reads them.
 VALUE_SIZED = {
-    "_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
+    "_local_scalar_dense",
+    "nonzero",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "masked_select",
 }
 
 
@@ -73,15 +78,24 @@ def _step_on_the_stand_in() -> list[str]:
     runner = SimpleNamespace(input_batch=batch)
     host_pool = torch.zeros(len(LAYERS), 16, BLOCK, 8)
     resolution = HiSparseResolution(
-        runner, dict.fromkeys(LAYERS, 0), {name: 0 for name in LAYERS}, BLOCK, HOT_ROWS, host_pool, DEVICE,
+        runner,
+        dict.fromkeys(LAYERS, 0),
+        {name: 0 for name in LAYERS},
+        BLOCK,
+        HOT_ROWS,
+        host_pool,
+        DEVICE,
         max_pages=32,
     )
     scheduled = {"decode-0": 1, "long": 300, "decode-1": 1, "resident": 5}
     with HostWaits() as recorder:
         resolution.update(
             [
-                HostPageUpdate("long", 0, 3), HostPageUpdate("long", 1, 4), HostPageUpdate("decode-0", 0, 5),
-                HostPageUpdate("decode-1", 0, 6), HostPageUpdate("long", 1, NOT_ON_HOST),
+                HostPageUpdate("long", 0, 3),
+                HostPageUpdate("long", 1, 4),
+                HostPageUpdate("decode-0", 0, 5),
+                HostPageUpdate("decode-1", 0, 6),
+                HostPageUpdate("long", 1, NOT_ON_HOST),
             ],
             [
                 HotLeaseUpdate(rid, ((2 * i + 1, 2 * i + 2),))

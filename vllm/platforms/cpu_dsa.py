@@ -40,8 +40,7 @@ def configure_dsa_cache(vllm_config: VllmConfig) -> None:
     cache_config = vllm_config.cache_config
     if cache_config.user_specified_block_size and cache_config.block_size != DSA_BLOCK_SIZE:
         logger.warning(
-            "DSA models on CPU use %d-token blocks (the sparse-MLA page size); "
-            "overriding block_size=%d.",
+            "DSA models on CPU use %d-token blocks (the sparse-MLA page size); overriding block_size=%d.",
             DSA_BLOCK_SIZE,
             cache_config.block_size,
         )

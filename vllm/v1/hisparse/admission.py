@@ -271,7 +271,7 @@ class Admissions:
             # drafter, the device hit's dropped page can be one).
             kept = list(itertools.takewhile(lambda page: page[0] is not None, pages))
             if len(kept) < len(pages):
-                unused = {b.block_id for mla, other in pages[len(kept):] for b in (mla or []) + other}
+                unused = {b.block_id for mla, other in pages[len(kept) :] for b in (mla or []) + other}
                 record.hit = [b for b in record.hit if b.block_id not in unused]
             pages = kept
             if not pages:

@@ -67,7 +67,8 @@ def hisparse_managed_group_ids(groups: Sequence[KVCacheGroupSpec]) -> tuple[int,
     The group holding the indexer layers (and an MTP drafter's layers) stays resident.
     """
     return tuple(
-        i for i, group in enumerate(groups)
+        i
+        for i, group in enumerate(groups)
         if not any(name.endswith(INDEXER_LAYER_SUFFIX) for name in group.layer_names)
     )
 
@@ -79,7 +80,8 @@ def drafter_layer_names(vllm_config: VllmConfig, layer_names: Sequence[str]) -> 
         return []
     num_target_layers = vllm_config.model_config.hf_config.num_hidden_layers
     return [
-        name for name in layer_names
+        name
+        for name in layer_names
         if (match := _LAYER_INDEX.search(name)) is not None and int(match[1]) >= num_target_layers
     ]
 
@@ -98,8 +100,7 @@ def relative_capacity(num_groups: int, num_mla_layers: int, mla_page: int, resid
 def choose_mla_group_count(num_mla_layers: int, mla_page: int, resident_width: int) -> int:
     """The number of sparse-MLA groups that keeps the most capacity, MLA groups widest."""
     candidates = [
-        k for k in range(1, num_mla_layers + 1)
-        if math.ceil(num_mla_layers / k) * mla_page >= resident_width
+        k for k in range(1, num_mla_layers + 1) if math.ceil(num_mla_layers / k) * mla_page >= resident_width
     ]
     if not candidates:
         raise ValueError(
@@ -205,4 +206,3 @@ def hisparse_max_memory_usage(
             "host_pool_gib or lower max_model_len"
         )
     return lambda: bytes_per_block * hisparse_device_blocks_per_request(vllm_config, groups)
-

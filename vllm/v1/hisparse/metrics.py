@@ -60,6 +60,7 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
     ),
 }
 
+
 def _host_pool_usage(stats: dict[str, Any]) -> float:
     total = stats.get("host_pages_total", 0)
     return stats.get("host_pages_used", 0) / total if total else 0.0
@@ -68,8 +69,7 @@ def _host_pool_usage(stats: dict[str, Any]) -> float:
 # Gauge name -> (documentation, its value from the stats).
 _DERIVED_GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
     "vllm:hisparse_host_pool_usage_perc": (
-        "Fraction of the host pool's pages referenced by requests (1 = full), as vLLM's "
-        "*_usage_perc gauges.",
+        "Fraction of the host pool's pages referenced by requests (1 = full), as vLLM's *_usage_perc gauges.",
         _host_pool_usage,
     ),
     # vLLM 0.30's names for the same figures.

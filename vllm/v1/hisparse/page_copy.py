@@ -123,9 +123,14 @@ def _validate(
             raise ValueError(
                 f"KV cache of layer {layer} must have contiguous pages, strides {cache.stride()}"
             )
-    if block_ids.dim() != 2 or block_ids.shape[1] != len(kv_caches) or block_ids.dtype not in (
-        torch.int32,
-        torch.int64,
+    if (
+        block_ids.dim() != 2
+        or block_ids.shape[1] != len(kv_caches)
+        or block_ids.dtype
+        not in (
+            torch.int32,
+            torch.int64,
+        )
     ):
         raise ValueError(
             f"block_ids must be [pages, {len(kv_caches)}] int32/int64, got "
@@ -141,9 +146,7 @@ def _validate(
     # Two copies into one destination would race on a GPU (sources may repeat). The
     # lists are a step's pages, small: checked in Python, one read of each tensor.
     pages = host_pages.tolist()
-    blocks_of = [list(column) for column in zip(*block_ids.tolist(), strict=True)] or [
-        [] for _ in kv_caches
-    ]
+    blocks_of = [list(column) for column in zip(*block_ids.tolist(), strict=True)] or [[] for _ in kv_caches]
     if to_host and len(set(pages)) != len(pages):
         raise PageCopyError("HiSparse page copy: a host page is the destination of two pages in one copy")
     for layer, blocks in enumerate(blocks_of if not to_host else ()):

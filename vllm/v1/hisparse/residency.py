@@ -663,11 +663,18 @@ class ResidencyManager:
             req = self.requests[request_id]
             lease_cost = 0 if req.hot_blocks else req.lease_blocks
             pages_wanted = math.ceil((blocks_needed - freed_total + lease_cost) / self.blocks_per_page)
-            take = list(itertools.islice(
-                (i for i in req.both_demotable
-                 if not (protected_blocks and protected_blocks.intersection(req.pages[i].block_ids or ()))),
-                max(0, pages_wanted),
-            ))
+            take = list(
+                itertools.islice(
+                    (
+                        i
+                        for i in req.both_demotable
+                        if not (
+                            protected_blocks and protected_blocks.intersection(req.pages[i].block_ids or ())
+                        )
+                    ),
+                    max(0, pages_wanted),
+                )
+            )
             if len(take) * self.blocks_per_page <= lease_cost:
                 continue
             freed_total += self._demote(req, take)
@@ -752,8 +759,10 @@ class ResidencyManager:
             return 0
         if not req.hot_blocks:
             # Blocks whose frees wait for the step in flight cannot fund the lease now.
-            freeable = 0 if self.allocator.frees_are_deferred() else sum(
-                self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices
+            freeable = (
+                0
+                if self.allocator.frees_are_deferred()
+                else sum(self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices)
             )
             if freeable + self.allocator.num_free_blocks() < req.lease_blocks:
                 # It cannot pay for its lease: unmark, so no one waits on these pages.
@@ -848,7 +857,8 @@ class ResidencyManager:
             assert (req.request_id in self._settled) == (bool(req.both_demotable) and not req.held)
             assert set(req.copying) == {i for i, p in enumerate(req.pages) if p.copying}
             assert set(req.uncopied) == {
-                i for i, p in enumerate(req.pages[: req.num_complete_pages])
+                i
+                for i, p in enumerate(req.pages[: req.num_complete_pages])
                 if p.state is PageState.DEVICE and not p.copying and not p.demote_when_copied
             }
             marked |= {(req.request_id, i) for i, p in enumerate(req.pages) if p.demote_when_copied}

@@ -139,8 +139,10 @@ class HiSparseResolution:
         self._free_rows: list[int] = []
         self.host_page_table = torch.full((0, max_pages), -1, dtype=torch.int64, device=device)
         # Per sparse-MLA group: the first block of each page of every request's hot lease.
-        self._lease_blocks = {g: torch.zeros((0, self._lease_pages()), dtype=torch.int64, device=device)
-                              for g in self.mla_group_ids}
+        self._lease_blocks = {
+            g: torch.zeros((0, self._lease_pages()), dtype=torch.int64, device=device)
+            for g in self.mla_group_ids
+        }
         self._hot: dict[int, HotState] = {}  # top-K owner -> hot state, one row per table row
         self._with_host_pages: set[str] = set()
         # Request -> the page indices of its HOST pages (the host's copy of its table row).
@@ -396,27 +398,47 @@ class HiSparseResolution:
         if may_overflow:
             self.counts["partitioned_plans"] += 1
             token_pass, num_passes = partition_passes(
-                positions, token_requests, self.host_page_table, step.requests, self.block_size,
+                positions,
+                token_requests,
+                self.host_page_table,
+                step.requests,
+                self.block_size,
                 [self.hot_rows + n for n in step.staging_counts],
             )
         if num_passes == 1:
             plan = plan_resolution(
-                positions, token_requests, self.host_page_table, self.block_size, active,
-                step.staging_slots, self._stamp, table_rows=step.requests,
+                positions,
+                token_requests,
+                self.host_page_table,
+                self.block_size,
+                active,
+                step.staging_slots,
+                self._stamp,
+                table_rows=step.requests,
                 max_tokens_per_request=step.max_tokens_per_request,
             )
             passes = [(torch.arange(positions.shape[0], device=positions.device), plan)]
         else:
             passes = plan_passes(
-                positions, token_requests, self.host_page_table, self.block_size, active,
-                step.staging_slots, self._stamp, step.requests, token_pass, num_passes,
+                positions,
+                token_requests,
+                self.host_page_table,
+                self.block_size,
+                active,
+                step.staging_slots,
+                self._stamp,
+                step.requests,
+                token_pass,
+                num_passes,
             )
         hot.positions[step.requests] = active.positions
         hot.stamps[step.requests] = active.stamps
         for _, plan in passes:
             self.error |= plan.error
-            step.request_error = plan.request_error if step.request_error is None else (
-                step.request_error | plan.request_error
+            step.request_error = (
+                plan.request_error
+                if step.request_error is None
+                else (step.request_error | plan.request_error)
             )
         self.counts["resolution_plans"] += len(passes)
         return passes

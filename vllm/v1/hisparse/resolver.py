@@ -195,16 +195,18 @@ def plan_resolution(
     # A request row outside the hot state, or a table row outside the page table, is an
     # accounting error: flagged, and read as resident so every gather stays in bounds.
     if positions.is_cuda:  # device tensors: flagged without reading anything back
-        out_of_bounds = (((token_requests < -1) | (token_requests >= num_requests)).any() | (
-            (table_rows < 0) | (table_rows >= host_page_table.shape[0])
-        ).any()).long()
+        out_of_bounds = (
+            ((token_requests < -1) | (token_requests >= num_requests)).any()
+            | ((table_rows < 0) | (table_rows >= host_page_table.shape[0])).any()
+        ).long()
         token_requests = torch.where(token_requests < num_requests, token_requests.long(), -1)
         table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
     else:  # host tensors: two reads, and the clamps only when needed
         low, high = (int(v) for v in torch.aminmax(token_requests)) if token_requests.numel() else (-1, -1)
         rows_low, rows_high = (int(v) for v in torch.aminmax(table_rows))
-        out_of_bounds = int(low < -1 or high >= num_requests or rows_low < 0
-                            or rows_high >= host_page_table.shape[0])
+        out_of_bounds = int(
+            low < -1 or high >= num_requests or rows_low < 0 or rows_high >= host_page_table.shape[0]
+        )
         token_requests = token_requests.long()
         if out_of_bounds:
             token_requests = torch.where(token_requests < num_requests, token_requests, -1)
@@ -381,17 +383,19 @@ def partition_passes(
     if not num_tokens or not num_requests:
         return torch.zeros(num_tokens, dtype=torch.int64, device=device), 1
     on_host = host_entries(positions, token_requests, host_page_table, table_rows, block_size)
-    request = torch.where((token_requests >= 0) & (token_requests < num_requests), token_requests.long(),
-                          num_requests)
+    request = torch.where(
+        (token_requests >= 0) & (token_requests < num_requests), token_requests.long(), num_requests
+    )
     # Each token's rank among its request's tokens (their order kept).
     by_request = torch.sort(request, stable=True).indices
     tokens_of = torch.zeros(num_requests + 1, dtype=torch.int64, device=device).scatter_add_(
         0, request, torch.ones_like(request)
     )
     local = torch.empty_like(request)
-    local[by_request] = torch.arange(num_tokens, device=device) - (torch.cumsum(tokens_of, 0) - tokens_of)[
-        request[by_request]
-    ]
+    local[by_request] = (
+        torch.arange(num_tokens, device=device)
+        - (torch.cumsum(tokens_of, 0) - tokens_of)[request[by_request]]
+    )
     # The distinct (request, position) keys on HOST pages, numbered; the rest share the last.
     entry_request = request.unsqueeze(1).expand(num_tokens, topk).flatten()
     entry_local = local.unsqueeze(1).expand(num_tokens, topk).flatten()
@@ -461,8 +465,14 @@ def plan_passes(
     for p in range(num_passes):
         tokens = torch.nonzero(token_pass == p).squeeze(1)
         plan = plan_resolution(
-            positions[tokens], token_requests[tokens], host_page_table, block_size, hot, staging_slots,
-            step, table_rows,
+            positions[tokens],
+            token_requests[tokens],
+            host_page_table,
+            block_size,
+            hot,
+            staging_slots,
+            step,
+            table_rows,
         )
         passes.append((tokens, plan))
     return passes
@@ -539,7 +549,11 @@ def apply_resolution(
     copy_rows = slot_rows if copy_rows is None else copy_rows
     destination = copy_rows[plan.load_request, plan.load_slot]
     copy_host_rows(
-        kv_rows, destination, host_rows, plan.load_host_row, plan.load,
+        kv_rows,
+        destination,
+        host_rows,
+        plan.load_host_row,
+        plan.load,
         error=plan.error if error is None else error,
     )
     resolved = slot_rows[plan.entry_request, plan.entry_slot].to(rows.dtype)
@@ -573,7 +587,11 @@ def copy_host_rows(
         own_error = error is None
         word = torch.zeros((), dtype=torch.int64, device=kv_rows.device) if own_error else error
         torch.ops._hisparse_C.copy_host_rows(
-            kv_rows, dst_rows.long().contiguous(), host_rows, src_rows.long().contiguous(), copy.contiguous(),
+            kv_rows,
+            dst_rows.long().contiguous(),
+            host_rows,
+            src_rows.long().contiguous(),
+            copy.contiguous(),
             word,
         )
         if own_error:

@@ -71,7 +71,6 @@ logger = init_logger(__name__)
 CHECK_OWNERSHIP_ENV = "VLLM_HISPARSE_CHECK_OWNERSHIP"
 
 
-
 # Copies a step plans at least; and per page a full token budget of prefill completes,
 # that many more (twice: one step's pages, and as many of a backlog).
 MIN_COPIES_PER_STEP = 64
@@ -82,6 +81,7 @@ def copies_per_step(max_num_batched_tokens: int, block_size: int) -> int:
     prefills a whole token budget (its completed pages, and as many of a backlog), so a
     turn does not end with pages that were never copied."""
     return max(MIN_COPIES_PER_STEP, 2 * -(-max_num_batched_tokens // block_size))
+
 
 class HiSparseScheduling:
     """Hybrid HiSparse's scheduler-side state for one Scheduler."""
@@ -131,9 +131,8 @@ class HiSparseScheduling:
         # Blocks left free for the rest of a step when staging takes more than its budget:
         # every group's blocks for a step's whole token budget, and one hot lease.
         self._step_reserve = (
-            (vllm_config.scheduler_config.max_num_batched_tokens // self.block_size + 1) * len(groups)
-            + self.residency.hot_lease_blocks
-        )
+            vllm_config.scheduler_config.max_num_batched_tokens // self.block_size + 1
+        ) * len(groups) + self.residency.hot_lease_blocks
         self.max_model_len = vllm_config.model_config.max_model_len
         self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
         self.num_groups = len(groups)
@@ -200,8 +199,7 @@ class HiSparseScheduling:
             # room for the rest as it is computed.
             scheduler.scheduler_reserve_full_isl = False
         logger.info(
-            "Hybrid HiSparse: %d host pages of %d bytes, hot lease %d blocks, mode=%s, "
-            "sparse-MLA groups %s",
+            "Hybrid HiSparse: %d host pages of %d bytes, hot lease %d blocks, mode=%s, sparse-MLA groups %s",
             num_host_pages,
             sparse_mla_page_bytes(vllm_config),
             self.residency.hot_lease_blocks,
@@ -314,7 +312,10 @@ class HiSparseScheduling:
         request_id = request.request_id
         req = self.residency.requests.get(request_id)
         if (
-            req is None or req.held or not req.num_host_pages or self.residency.mode != "hybrid"
+            req is None
+            or req.held
+            or not req.num_host_pages
+            or self.residency.mode != "hybrid"
             or self.admissions.num_host_pages(request_id)
             or num_new_tokens * self.index_topk < host_rows
         ):
@@ -324,7 +325,7 @@ class HiSparseScheduling:
             return False
         indices = self.residency.host_page_indices(request_id)
         blocks = self.blocks.take(len(indices) * page)
-        pages = [(index, blocks[i * page:(i + 1) * page]) for i, index in enumerate(indices)]
+        pages = [(index, blocks[i * page : (i + 1) * page]) for i, index in enumerate(indices)]
         host_pages = [req.pages[index].host_page for index in indices]
         self.blocks.fill_pages(request_id, pages)
         self.residency.restore_pages(request_id, pages)
@@ -462,8 +463,13 @@ class HiSparseScheduling:
                 continue
             blocks = self._staging.pop(request_id)
             held += blocks
-            staging.append(StepStaging(request_id, len(blocks) // k * self.block_size,
-                                       tuple(tuple(blocks[g::k]) for g in range(k))))
+            staging.append(
+                StepStaging(
+                    request_id,
+                    len(blocks) // k * self.block_size,
+                    tuple(tuple(blocks[g::k]) for g in range(k)),
+                )
+            )
         if held:
             self._staging_in_flight[step] = held
         self._unplaced.difference_update(scheduler_output.num_scheduled_tokens)
@@ -547,7 +553,9 @@ class HiSparseScheduling:
         self.requests_failed += 1
         logger.error(
             "Hybrid HiSparse could not serve request %s (%s); it ends with an error and returns "
-            "everything it holds, other requests go on", request_id, reason,
+            "everything it holds, other requests go on",
+            request_id,
+            reason,
         )
 
     def check_ownership(self) -> None:
@@ -685,9 +693,11 @@ class HiSparseScheduling:
             request_steps_none=self.request_steps[RequestState.NONE],
             requests_started_none=self.requests_started_none,
             speculative_steps_with_host_pages=self.speculative_steps_with_host_pages,
-            bytes_to_host=counters.pages_copied_to_host * self._page_bytes
+            bytes_to_host=counters.pages_copied_to_host
+            * self._page_bytes
             * max(self.worker_counts["max_host_pools"], 1),
-            bytes_from_host=self._readers * (
+            bytes_from_host=self._readers
+            * (
                 (self.admissions.counters.pages_restored + counters.pages_restored_for_prefill)
                 * self._page_bytes
                 + self.worker_counts["rows_loaded"] * self._row_bytes
@@ -701,4 +711,3 @@ def attach_hisparse(scheduler: Scheduler) -> HiSparseScheduling | None:
     if not hisparse_active(scheduler.vllm_config):
         return None
     return HiSparseScheduling(scheduler)
-

@@ -116,8 +116,14 @@ def resolve_selected_rows(
         return rows
     kv_rows, stride_rows = layer.row_view(layer.kv_cache, layer.block_size)
     return layer.resolution.resolve_rows(
-        layer.layer_name, positions[: rows.shape[0]], batch_rows[: rows.shape[0]], rows, kv_rows, stride_rows,
-        index_stride, layer.pass_index,
+        layer.layer_name,
+        positions[: rows.shape[0]],
+        batch_rows[: rows.shape[0]],
+        rows,
+        kv_rows,
+        stride_rows,
+        index_stride,
+        layer.pass_index,
     )
 
 
@@ -142,8 +148,13 @@ def convert_req_index_to_global_index(
 
     def convert():
         return triton_convert_req_index_to_global_index(
-            req_id, block_table, token_indices, BLOCK_SIZE=BLOCK_SIZE, BLOCK_STRIDE_ROWS=BLOCK_STRIDE_ROWS,
-            HAS_PREFILL_WORKSPACE=HAS_PREFILL_WORKSPACE, **kwargs,
+            req_id,
+            block_table,
+            token_indices,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_STRIDE_ROWS=BLOCK_STRIDE_ROWS,
+            HAS_PREFILL_WORKSPACE=HAS_PREFILL_WORKSPACE,
+            **kwargs,
         )
 
     if _resolving is None:

@@ -73,8 +73,9 @@ def _mac(params: Mapping[str, Any], secret: bytes) -> str:
     return hmac.new(secret, _canonical(params), hashlib.sha256).hexdigest()
 
 
-def sign(params: Mapping[str, Any], secret: bytes, valid_s: float = DEFAULT_VALID_S,
-         now: float | None = None) -> dict[str, Any]:
+def sign(
+    params: Mapping[str, Any], secret: bytes, valid_s: float = DEFAULT_VALID_S, now: float | None = None
+) -> dict[str, Any]:
     """`params` with an expiry and the proxy's signature over both."""
     signed = {k: v for k, v in params.items() if k not in (MAC_FIELD, EXPIRES_FIELD)}
     signed[EXPIRES_FIELD] = (time.time() if now is None else now) + valid_s
@@ -102,8 +103,12 @@ class _UsedSignatures:
 _USED = _UsedSignatures()
 
 
-def verify(params: dict[str, Any], secret: bytes | None, now: float | None = None,
-           used: _UsedSignatures | None = _USED) -> None:
+def verify(
+    params: dict[str, Any],
+    secret: bytes | None,
+    now: float | None = None,
+    used: _UsedSignatures | None = _USED,
+) -> None:
     """Raise UntrustedKVTransfer unless `params` carry a valid, unexpired signature (and,
     with `used`, one not accepted before: it is then recorded). The signature fields stay:
     connectors read only the fields they know."""
@@ -130,8 +135,10 @@ def verify(params: dict[str, Any], secret: bytes | None, now: float | None = Non
         )
     now = time.time() if now is None else now
     if not now <= expires <= now + MAX_VALID_S:
-        raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill are expired (or claim "
-                                  f"to be valid for more than {MAX_VALID_S:.0f} s)")
+        raise UntrustedKVTransfer(
+            "kv_transfer_params with do_remote_prefill are expired (or claim "
+            f"to be valid for more than {MAX_VALID_S:.0f} s)"
+        )
     if used is not None and not used.take(mac, float(expires), now):
         raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill were already used once")
 

@@ -97,8 +97,12 @@ class StepReports:
         self._pending: deque[_StepReport] = deque()
 
     def submit(
-        self, copies: list[int], device_counts: torch.Tensor, error: torch.Tensor,
-        host_counts: dict[str, int], request_errors: StepRequestErrors | None = None,
+        self,
+        copies: list[int],
+        device_counts: torch.Tensor,
+        error: torch.Tensor,
+        host_counts: dict[str, int],
+        request_errors: StepRequestErrors | None = None,
     ) -> None:
         parts = [device_counts, error.reshape(1)]
         request_ids: list[str] = []
@@ -289,7 +293,10 @@ class HiSparseWorker:
         self._copy_pages(plan, plan.restores, to_host=False, error=self.resolution.error)
 
     def _copy_pages(
-        self, plan: HiSparseStepPlan, pages: Sequence[PageCopy | PageRestore], to_host: bool,
+        self,
+        plan: HiSparseStepPlan,
+        pages: Sequence[PageCopy | PageRestore],
+        to_host: bool,
         error: torch.Tensor,
     ) -> None:
         """One batched copy; an index out of bounds raises a bit in the step's `error` word."""
@@ -360,7 +367,8 @@ def resolver_layers(specs: dict[str, Any]) -> tuple[int, int]:
     (token) takes in all sparse-MLA layers together, a hot lease's row."""
     owners = sum(1 for name in specs if name.endswith(INDEXER_LAYER_SUFFIX))
     row_bytes = sum(
-        spec.page_size_bytes // spec.block_size for name, spec in specs.items()
+        spec.page_size_bytes // spec.block_size
+        for name, spec in specs.items()
         if not name.endswith(INDEXER_LAYER_SUFFIX)
     )
     return owners, row_bytes

@@ -1270,7 +1270,8 @@ def argument_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization", type=_bounded(float, 0, 1), default=DEFAULT_GPU_MEMORY_UTILIZATION
     )
     parser.add_argument(
-        "--kv-cache-memory-bytes", type=_POSITIVE_INT,
+        "--kv-cache-memory-bytes",
+        type=_POSITIVE_INT,
         help="KV cache memory per GPU, exactly (as vllm serve)",
     )
     parser.add_argument(

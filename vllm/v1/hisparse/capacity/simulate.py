@@ -874,11 +874,15 @@ def argument_parser() -> argparse.ArgumentParser:
         "values with --workload mix)",
     )
     group.add_argument(
-        "--turns", type=planner._bounded(int, 0), default=None,
+        "--turns",
+        type=planner._bounded(int, 0),
+        default=None,
         help="turns per session (default 13; --quick 3)",
     )
     group.add_argument(
-        "--long-sessions", type=planner._bounded(int, 0, low_open=False), default=1,
+        "--long-sessions",
+        type=planner._bounded(int, 0, low_open=False),
+        default=1,
         help="1M-token sessions in the mix (default 1)",
     )
     group.add_argument(

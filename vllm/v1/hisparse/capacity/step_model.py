@@ -93,9 +93,11 @@ CONSTANTS: dict[str, Constant] = {
         0.75, "probability", "assumption: a draft token is accepted, given the one before it was"
     ),
     "chunk_union_tokens": Constant(
-        8, "tokens", "assumption: a prefill chunk's host selections are the union of this many tokens' "
+        8,
+        "tokens",
+        "assumption: a prefill chunk's host selections are the union of this many tokens' "
         "top-K (its tokens mostly select the same rows; the CPU benchmark used 63-76% of the staging "
-        "it leased for a worst case)"
+        "it leased for a worst case)",
     ),
     "hot_hit_rate": Constant(
         0.9, "fraction", "assumption: share of a decode step's selected host rows already in the hot buffer"

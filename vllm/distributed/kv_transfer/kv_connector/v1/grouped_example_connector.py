@@ -153,7 +153,8 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
                     host_slots.append(landing[position] * block_size + offset)
                 # else: a placeholder of a page the request already has in the host pool
             for tokens, slots, on_host in (
-                (device_tokens, device_slots, False), (host_tokens, host_slots, True)
+                (device_tokens, device_slots, False),
+                (host_tokens, host_slots, True),
             ):
                 if tokens:
                     rows.append(GroupRows(g, torch.tensor(tokens), torch.tensor(slots), on_host))
@@ -224,8 +225,11 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
                 rows.append(GroupRows(g, tokens, blocks * block_size + tokens % block_size))
             meta.requests.append(
                 GroupedRequestTransfer(
-                    request_id, torch.tensor(store.token_ids[:prefix], dtype=torch.int64), store.mm_hashes,
-                    is_store=True, rows=rows,
+                    request_id,
+                    torch.tensor(store.token_ids[:prefix], dtype=torch.int64),
+                    store.mm_hashes,
+                    is_store=True,
+                    rows=rows,
                 )
             )
 
@@ -276,8 +280,9 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
                     paged[rows.slots // block_size, rows.slots % block_size] = source
             logger.debug("Loaded %d tokens of request %s", len(transfer.token_ids), transfer.request_id)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         """Nothing per layer: `wait_for_save` stores every layer once the forward is done."""
 
     def wait_for_save(self) -> None:

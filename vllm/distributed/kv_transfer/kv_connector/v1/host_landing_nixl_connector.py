@@ -175,9 +175,7 @@ def landing_descriptors(
                 f"{pool[0].numel() * pool.element_size()} bytes, its KV cache page {layer.page_bytes}"
             )
         local_parts.append(_descriptors(pool.data_ptr() + host * host_stride, layer.page_bytes, 0))
-        remote_addresses = (
-            remote.bases[layer.region] + blocks * remote.strides[layer.region] + layer.offset
-        )
+        remote_addresses = remote.bases[layer.region] + blocks * remote.strides[layer.region] + layer.offset
         remote_parts.append(_descriptors(remote_addresses, layer.page_bytes, remote.device_id))
     if not local_parts:
         empty = np.empty((0, 3), dtype=np.uint64)
@@ -234,9 +232,7 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
         # Landed pages of the requests whose reads the next metadata starts.
         self._landings: dict[str, dict[int, int]] = {}
         hisparse = vllm_config.attention_config.hisparse_config is not None
-        self._managed_groups = (
-            hisparse_managed_group_ids(kv_cache_config.kv_cache_groups) if hisparse else ()
-        )
+        self._managed_groups = hisparse_managed_group_ids(kv_cache_config.kv_cache_groups) if hisparse else ()
         self.declined_sends = 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -361,8 +357,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         num_blocks = self.dst_num_blocks.get(remote.engine_id)
         if num_blocks is not None:
             ratio = self.transfer_topo.get_engine_info(remote.engine_id).remote_physical_blocks_per_logical
-            problem = remote_block_ids_problem(remote.block_ids, len(meta.local_block_ids),
-                                               num_blocks // max(int(ratio), 1))
+            problem = remote_block_ids_problem(
+                remote.block_ids, len(meta.local_block_ids), num_blocks // max(int(ratio), 1)
+            )
             if problem is not None:
                 self._landings.pop(req_id, None)
                 self._log_failure(
@@ -375,20 +372,41 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
                 return
         super()._read_blocks_for_req(req_id, meta)
 
-    def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, remote_request_id: str,
-                     local_xfer_side_handle: int, remote_xfer_side_handle: int, expected_consumers: int):
+    def _read_blocks(
+        self,
+        read_spec: Any,
+        dst_engine_id: str,
+        request_id: str,
+        remote_request_id: str,
+        local_xfer_side_handle: int,
+        remote_xfer_side_handle: int,
+        expected_consumers: int,
+    ):
         landing = self._landings.pop(request_id, None)
         if landing:
             # Both reads notify the producer, each counting every read: it frees its
             # blocks once both are done, whichever completes first.
             expected_consumers *= 2
-            self._read_landed_pages(read_spec, dst_engine_id, request_id,
-                                    f"{remote_request_id}:{expected_consumers}".encode(), landing)
-        super()._read_blocks(read_spec, dst_engine_id, request_id, remote_request_id,
-                             local_xfer_side_handle, remote_xfer_side_handle, expected_consumers)
+            self._read_landed_pages(
+                read_spec,
+                dst_engine_id,
+                request_id,
+                f"{remote_request_id}:{expected_consumers}".encode(),
+                landing,
+            )
+        super()._read_blocks(
+            read_spec,
+            dst_engine_id,
+            request_id,
+            remote_request_id,
+            local_xfer_side_handle,
+            remote_xfer_side_handle,
+            expected_consumers,
+        )
 
-    def _read_landed_pages(self, read_spec: Any, dst_engine_id: str, request_id: str, notif: bytes,
-                           landing: dict[int, int]) -> None:
+    def _read_landed_pages(
+        self, read_spec: Any, dst_engine_id: str, request_id: str, notif: bytes, landing: dict[int, int]
+    ) -> None:
         remote_rank = read_spec.remote_rank
         handle = None
         try:
