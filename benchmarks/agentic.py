@@ -391,7 +391,8 @@ def plot(runs: list[Run], path: Path) -> None:
     from matplotlib import pyplot
 
     figure, axes = pyplot.subplots(figsize=(6.4, 4.8))
-    for config in CONFIGS:
+    # The configurations in their usual order, then any label a --base-url run was given.
+    for config in [*CONFIGS, *sorted({r.config for r in runs} - set(CONFIGS))]:
         mine = [r for r in runs if r.config == config]
         points = sorted((r.concurrency, r.per_user_tokens_per_s, r.output_tokens_per_s) for r in mine)
         if not points:

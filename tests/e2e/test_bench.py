@@ -105,3 +105,25 @@ def test_base_url_needs_a_model_and_one_label(capsys):
         with pytest.raises(SystemExit):
             agentic.parse_args(argv)
         assert named in capsys.readouterr().err
+
+
+def test_a_labelled_run_is_drawn_with_its_label(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import agentic
+
+    runs = [agentic.Run("hybrid-node-a", 2, per_user_tokens_per_s=3.0, output_tokens_per_s=5.0)]
+    import matplotlib.pyplot as pyplot
+
+    drawn = []
+    original = pyplot.Axes.plot
+
+    def record(self, *args, **kwargs):
+        drawn.append(kwargs.get("label"))
+        return original(self, *args, **kwargs)
+
+    pyplot.Axes.plot = record
+    try:
+        agentic.plot(runs, tmp_path / "p.png")
+    finally:
+        pyplot.Axes.plot = original
+    assert drawn == ["hybrid-node-a"]
