@@ -106,14 +106,17 @@ class HiSparseConfig:
     @classmethod
     def reject_unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            known = set(cls.__dataclass_fields__)
-            unknown = sorted(set(data) - known)
-            if unknown:
-                raise ValueError(
-                    f"unknown key {unknown[0]!r} in hisparse_config; valid keys are "
-                    f"{', '.join(sorted(known))}"
-                )
+            cls.check_keys(data, "hisparse_config")
         return data
+
+    @classmethod
+    def check_keys(cls, data: dict[str, Any], where: str) -> None:
+        """Refuse a key that is not a field, naming it, `where` it was given and the valid keys."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            valid = ", ".join(sorted(known))
+            raise ValueError(f"unknown key {unknown[0]!r} in {where}; valid keys are {valid}")
 
     @field_validator("host_pool_gib")
     @classmethod
@@ -373,13 +376,9 @@ def adopt_hisparse_connector(vllm_config: VllmConfig) -> None:
     if settings is None:
         return
     attention = vllm_config.attention_config
-    known = set(HiSparseConfig.__dataclass_fields__)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown key {unknown[0]!r} in {UPSTREAM_CONNECTOR}'s kv_connector_extra_config, which "
-            f"is read as hisparse_config; valid keys are {', '.join(sorted(known))}"
-        )
+    HiSparseConfig.check_keys(
+        settings, f"{UPSTREAM_CONNECTOR}'s kv_connector_extra_config, which is read as hisparse_config"
+    )
     if attention.hisparse_config is None:
         try:
             attention.hisparse_config = HiSparseConfig(**settings)
