@@ -27,6 +27,10 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Upstream's marker for what runs without a GPU: every test not marked gpu.
+    for item in items:
+        if "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.cpu_test)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")

@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 
 def test_the_benchmark_measures_the_baseline_and_hybrid_side_by_side(tmp_path):

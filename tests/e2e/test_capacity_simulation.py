@@ -31,7 +31,7 @@ from vllm.v1.hisparse.capacity.simulate import Simulation, StepAccounting, Workl
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "tiny-models"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 # `make bench`'s quick size: the announcement's sessions at 1/40 (each turn at least 16
 # tokens), four turns, 24 MiB of device KV cache, a 0.1 GiB HiSparse pool and a 64 MiB

@@ -26,7 +26,7 @@ from engine import metric_total, offloading_connector, running_llm
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 CPU_BYTES_TO_USE = 64 << 20
 SPEC_NAMES = ("CPUOffloadingSpec", "TieringOffloadingSpec")

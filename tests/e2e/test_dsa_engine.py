@@ -17,7 +17,7 @@ from engine import metric_total, running_llm
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 SHARED_PREFIX = 128  # two 64-token pages
 PROMPT_LENGTHS = (150, 190, 230, 260)

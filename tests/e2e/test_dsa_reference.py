@@ -30,7 +30,7 @@ from engine import model_dir, running_llm
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 PROMPT_LEN = 100
 TOLERANCE = {"float32": (1.0, 1e-3, 1e-3), "bfloat16": (0.95, 0.25, 0.08)}  # (quantile, bound, mean)

@@ -46,7 +46,7 @@ import pytest
 from engine import SPARSE_GLM5, model_dir
 from serving import SERVER_ERRORS, VllmServer, free_port, metric
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow_test, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 64

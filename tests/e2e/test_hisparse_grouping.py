@@ -17,7 +17,7 @@ from vllm import SamplingParams
 from vllm.config.hisparse import HISPARSE_KV_CACHE_LAYOUT
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 HISPARSE = {"hisparse_config": {"host_pool_gib": 1}}

@@ -29,7 +29,7 @@ from oracle_runs import SIX_LAYERS, alike, multiprocessing_off
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 BLOCK = 64
 PAGE_GIB = 6 * BLOCK * 576 * 4 / (1 << 30)  # float32 latent rows of six layers

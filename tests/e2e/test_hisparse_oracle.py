@@ -41,7 +41,7 @@ from oracle_runs import (
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from oracle_runs import SIX_LAYERS, alike, multiprocessing_off
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 TOP64 = dataclasses.replace(SIX_LAYERS, index_topk=64)
 PROMPT_TOKENS = 3000

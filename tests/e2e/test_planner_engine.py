@@ -20,7 +20,7 @@ from engine import SPARSE_GLM5, model_dir, offloading_connector, running_llm
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.hisparse.capacity.planner import Plan, PlanRequest, plan
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 # Small enough that the longest contexts stay inside the tiny models' 4096 positions.
 KV_BYTES = 5 << 20

@@ -28,7 +28,7 @@ from engine import SPARSE_GLM5, metric_total, model_dir, running_llm
 
 from vllm import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 # One decoder layer: the selections, residency and resolver are the same per layer, and
 # prefill at top-K 2048 costs the CPU reference attention about a GB per layer and 1K tokens.

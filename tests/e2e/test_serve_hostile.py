@@ -53,7 +53,7 @@ from engine import SPARSE_GLM5
 from server_process import SHM, model_runner_process, process_tree, shared_memory_in_use
 from serving import VllmServer, metric, offloading_connector
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 SERVED_NAME = "tiny-glm5-hostile"
 MAX_MODEL_LEN = 1024

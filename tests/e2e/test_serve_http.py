@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "tiny-glm5"
 STARTUP_TIMEOUT_S = 300
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXTENSION = "vllm/_hisparse_C.abi3.so"
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.slow_test,
     pytest.mark.skipif(
         shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
         reason="needs nvcc (a CUDA toolkit) to build the CUDA wheel's extension",

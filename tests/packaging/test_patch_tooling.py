@@ -17,7 +17,7 @@ from patches import EXIT_OTHER, EXIT_PATCHED, EXIT_PRISTINE, PatchError, load_se
 REPO = Path(__file__).resolve().parents[2]
 PATCHES_PY = REPO / "scripts" / "patches.py"
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 
 def run_patches(python: Path, *args: str) -> subprocess.CompletedProcess[str]:

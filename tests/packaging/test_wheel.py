@@ -18,7 +18,7 @@ import setup_env
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow_test
 
 
 @pytest.fixture(scope="module")

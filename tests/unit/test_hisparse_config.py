@@ -166,7 +166,7 @@ def test_verify_is_a_no_op_when_hisparse_is_off(tiny_glm_dsa_dir):
     verify_hisparse_config(config)
 
 
-@pytest.mark.slow
+@pytest.mark.slow_test
 def test_vllm_serve_rejects_a_bad_hisparse_config_before_loading_anything():
     vllm = REPO / ".venv" / "bin" / "vllm"
     done = subprocess.run(

@@ -36,3 +36,17 @@ def test_documents_link_the_one_gpu_status_section_instead_of_repeating_it():
         text = (REPO / doc).read_text()
         assert "kernels.md#gpu-status" in text, f"{doc} links docs/kernels.md's GPU status"
         assert "not run on a GPU in our test bed" not in text, f"{doc} repeats the GPU caveat"
+
+
+def test_tests_use_upstream_vllms_marker_names():
+    import re
+    import tomllib
+
+    markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    names = {m.split(":")[0] for m in markers}
+    assert {"cpu_test", "distributed", "slow_test"} <= names and "slow" not in names
+    used = set()
+    for path in (REPO / "tests").rglob("*.py"):
+        used |= set(re.findall(r"pytest\.mark\.([a-z_]+)", path.read_text()))
+    custom = used - {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings", "timeout"}
+    assert custom <= names, f"markers not registered: {custom - names}"
