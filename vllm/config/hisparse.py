@@ -225,7 +225,9 @@ def sparse_mla_page_bytes(vllm_config: VllmConfig) -> int:
     elif vllm_config.cache_config.cache_dtype.startswith("fp8"):
         per_token = hf.kv_lora_rank + hf.qk_rope_head_dim  # one byte per value, no scales
     else:
-        per_token = (hf.kv_lora_rank + hf.qk_rope_head_dim) * model_config.dtype.itemsize
+        dtype = model_config.dtype
+        assert not isinstance(dtype, str), f"model dtype {dtype!r} is not resolved yet"
+        per_token = (hf.kv_lora_rank + hf.qk_rope_head_dim) * dtype.itemsize
     return per_token * SPARSE_MLA_PAGE_TOKENS * model_config.get_total_num_hidden_layers()
 
 

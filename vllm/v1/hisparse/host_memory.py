@@ -51,7 +51,7 @@ import torch
 try:
     from vllm.logger import init_logger
 except ImportError:  # scripts/gpu_check.py maps and registers pools on machines without vLLM
-    from logging import getLogger as init_logger
+    from logging import getLogger as init_logger  # type: ignore[assignment]
 
 logger = init_logger(__name__)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from vllm.v1.hisparse.plan import HostPage
+
 
 class HostPoolExhausted(Exception):
     """No free or evictable host page is left."""
@@ -31,7 +33,7 @@ class HostPagePool:
         self._refs: dict[int, int] = {}
         # Cached copies nobody references, oldest first: evicted before failing.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._by_hash: dict[Hashable, int] = {}
+        self._by_hash: dict[Hashable, HostPage] = {}
         self._hash_of: dict[int, Hashable] = {}
 
     # -- queries -------------------------------------------------------------
@@ -48,7 +50,7 @@ class HostPagePool:
     def refs(self, page: int) -> int:
         return self._refs.get(page, 0)
 
-    def lookup(self, block_hash: Hashable) -> int | None:
+    def lookup(self, block_hash: Hashable) -> HostPage | None:
         """The host page holding a durable copy of this block, if any (not retained: an
         allocation may evict it; `retain_cached` for a page the caller will read)."""
         return self._by_hash.get(block_hash)
@@ -59,7 +61,7 @@ class HostPagePool:
 
     # -- changes -------------------------------------------------------------
 
-    def allocate(self) -> int:
+    def allocate(self) -> HostPage:
         if self._never_used:
             page = self._never_used.pop()
         elif self._evictable:
@@ -68,7 +70,7 @@ class HostPagePool:
         else:
             raise HostPoolExhausted(f"all {self.num_pages} host pages are referenced")
         self._refs[page] = 1
-        return page
+        return HostPage(page)
 
     def retain(self, page: int) -> None:
         """Take another reference, reviving a cached copy if nobody held it."""
@@ -80,7 +82,7 @@ class HostPagePool:
         del self._evictable[page]
         self._refs[page] = 1
 
-    def retain_cached(self, block_hash: Hashable) -> int | None:
+    def retain_cached(self, block_hash: Hashable) -> HostPage | None:
         """The host page holding a durable copy of this block, retained, or None: the
         caller's reference keeps it from eviction until released or handed on."""
         page = self._by_hash.get(block_hash)
@@ -107,7 +109,7 @@ class HostPagePool:
             raise KeyError(f"host page {page} is not referenced")
         if block_hash in self._by_hash or page in self._hash_of:
             return  # an identical copy is already indexed; keep the first
-        self._by_hash[block_hash] = page
+        self._by_hash[block_hash] = HostPage(page)
         self._hash_of[page] = block_hash
 
     def check(self) -> None:

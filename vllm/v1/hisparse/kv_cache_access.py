@@ -32,7 +32,7 @@ from vllm.v1.hisparse.plan import BlockId, BlockTableUpdate, PageIndex
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
     from vllm.v1.core.sched.scheduler import Scheduler
 
 
@@ -99,15 +99,15 @@ class KVCacheBlockAccess:
     def _blocks(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
         return [self._pool.blocks[b] for b in block_ids]
 
-    def take(self, num_blocks: int) -> list[int]:
+    def take(self, num_blocks: int) -> list[BlockId]:
         """`num_blocks` new blocks, none of them guarded. While it takes, guarded free
         blocks are held out of the free queue (they return to its LRU end)."""
         guarded = self._guarded_free()
         if not guarded:
-            return [b.block_id for b in self._pool.get_new_blocks(num_blocks)]
+            return [BlockId(b.block_id) for b in self._pool.get_new_blocks(num_blocks)]
         self._pool.touch(guarded)
         try:
-            return [b.block_id for b in self._pool.get_new_blocks(num_blocks)]
+            return [BlockId(b.block_id) for b in self._pool.get_new_blocks(num_blocks)]
         finally:
             self._pool.free_blocks(guarded)
 
@@ -144,7 +144,7 @@ class KVCacheBlockAccess:
 
     # -- the prefix cache ----------------------------------------------------------
 
-    def cached_page(self, block_hash: object, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+    def cached_page(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """The device blocks of a page the prefix cache holds in every one of `group_ids`."""
         return self._pool.get_cached_block(block_hash, list(group_ids))
 

@@ -110,13 +110,13 @@ def ownership_violations(
     writers: Counter[int] = Counter(copy.host_page for copy in residency.copies_in_flight())
     writers.update(record.host_pages[p] for record in records for p in record.landed)
     host_pool = residency.host_pool
-    for page, n in writers.items():
+    for host_page, n in writers.items():
         if n > 1:
-            problems.append(f"host page {page} has {n} writers")
-        if host_pool.refs(page) != 1 or host_pool.is_indexed(page):
+            problems.append(f"host page {host_page} has {n} writers")
+        if host_pool.refs(host_page) != 1 or host_pool.is_indexed(host_page):
             problems.append(
-                f"host page {page} is being written and has {host_pool.refs(page)} references"
-                + (", indexed by a block hash" if host_pool.is_indexed(page) else "")
+                f"host page {host_page} is being written and has {host_pool.refs(host_page)} references"
+                + (", indexed by a block hash" if host_pool.is_indexed(host_page) else "")
             )
     try:
         residency.check(other_host_references=admissions.host_references())

@@ -75,7 +75,7 @@ def copy_pages(
             to_host,
             word,
         )
-        if own_error and int(word) & ERROR_PAGE_OUT_OF_BOUNDS:
+        if own_error and word is not None and int(word) & ERROR_PAGE_OUT_OF_BOUNDS:
             raise PageCopyError("HiSparse page copy: a device block or host page was out of bounds (skipped)")
         return
     if kv_caches[0].is_cuda:

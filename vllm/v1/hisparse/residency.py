@@ -52,13 +52,13 @@ import enum
 import itertools
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence, Set
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS, RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-from vllm.v1.hisparse.plan import NOT_ON_HOST, CopyId, HostPage, PageCopy
+from vllm.v1.hisparse.plan import NOT_ON_HOST, BlockId, CopyId, HostPage, PageCopy, PageIndex
 
 
 class PageState(enum.Enum):
@@ -78,7 +78,7 @@ class BlockAllocator(Protocol):
 
     def num_free_blocks(self) -> int: ...
 
-    def take(self, num_blocks: int) -> list[int]:
+    def take(self, num_blocks: int) -> list[BlockId]:
         """New blocks for a hot lease (one reference each)."""
 
     def give_back(self, block_ids: Sequence[int]) -> None:
@@ -106,8 +106,8 @@ class BlockAllocator(Protocol):
 
 @dataclass
 class Page:
-    block_ids: tuple[int, ...] | None  # one device block per sparse-MLA group; None once HOST
-    host_page: int | None = None  # host slot (reserved while a copy is in flight)
+    block_ids: tuple[BlockId, ...] | None  # one device block per sparse-MLA group; None once HOST
+    host_page: HostPage | None = None  # host slot (reserved while a copy is in flight)
     copy_id: CopyId | None = None  # the device->host copy into host_page in flight
     demote_when_copied: bool = False  # free the device block once the copy lands
 
@@ -135,7 +135,7 @@ class RequestResidency:
     lease_blocks: int
     pages: list[Page] = field(default_factory=list)
     num_complete_pages: int = 0  # pages whose tokens are all computed (and cached)
-    hot_blocks: list[int] = field(default_factory=list)
+    hot_blocks: list[BlockId] = field(default_factory=list)
     # Page-level block hashes; may be a live view that grows with the request.
     block_hashes: Sequence[Hashable] = ()
     # Kept as pages change state, so FULL is an O(1) check.
@@ -241,8 +241,8 @@ class ResidencyManager:
         self.counters = ResidencyCounters()
         # What changed since the last `drain_changes`, for the workers' maps: pages that
         # turned HOST (request, page index, host page) and leases taken (request, blocks).
-        self._new_host_pages: list[tuple[str, int, int]] = []
-        self._new_leases: list[tuple[str, list[int]]] = []
+        self._new_host_pages: list[tuple[str, PageIndex, HostPage]] = []
+        self._new_leases: list[tuple[str, list[BlockId]]] = []
         # DEVICE pages marked for copy-then-free, in marking order.
         self._marked: dict[tuple[str, int], None] = {}
         # Requests with demotable BOTH pages (mode "always" demotes them at once).
@@ -288,7 +288,7 @@ class ResidencyManager:
             pages.append(page)
         return pages
 
-    def lease(self, num_blocks: int | None = None) -> list[int]:
+    def lease(self, num_blocks: int | None = None) -> list[BlockId]:
         """Take a hot buffer's blocks from the pool (for a request about to start NONE);
         `num_blocks` as `lease_blocks_for` sizes it, the default lease if None."""
         num_blocks = self.hot_lease_blocks if num_blocks is None else num_blocks
@@ -297,7 +297,11 @@ class ResidencyManager:
         return self.allocator.take(num_blocks)
 
     def append_host_pages(
-        self, request_id: str, host_pages: Sequence[int], hot_blocks: Sequence[int], imported: bool = False
+        self,
+        request_id: str,
+        host_pages: Sequence[HostPage],
+        hot_blocks: Sequence[BlockId],
+        imported: bool = False,
     ) -> None:
         """Pages the request takes from the host pool instead of computing them (it turns NONE).
 
@@ -324,7 +328,7 @@ class ResidencyManager:
             index = len(req.pages)
             if imported and (block_hash := req.page_hash(index)) is not None:
                 self.host_pool.publish(page, block_hash)
-            self._new_host_pages.append((request_id, index, page))
+            self._new_host_pages.append((request_id, PageIndex(index), page))
             req.pages.append(Page(block_ids=None, host_page=page))
             req.num_host_demotable += index < demotable
         req.num_host_pages += len(host_pages)
@@ -334,7 +338,7 @@ class ResidencyManager:
         else:
             self.counters.host_prefix_pages_reused += len(host_pages)
 
-    def append_pages(self, request_id: str, pages: Sequence[Sequence[int]]) -> None:
+    def append_pages(self, request_id: str, pages: Sequence[Sequence[BlockId]]) -> None:
         """New pages the KV cache manager gave the request, in order: k block ids each."""
         for block_ids in pages:
             if len(block_ids) != self.blocks_per_page:
@@ -347,7 +351,9 @@ class ResidencyManager:
                 req.uncopied[index] = None
         self._page_counts[PageState.DEVICE] += len(pages)
 
-    def append_restored_page(self, request_id: str, block_ids: Sequence[int], host_page: int) -> None:
+    def append_restored_page(
+        self, request_id: str, block_ids: Sequence[BlockId], host_page: HostPage
+    ) -> None:
         """A new page whose device blocks were filled from `host_page`: BOTH at once.
 
         The caller's reference of the host page passes to the request.
@@ -368,7 +374,7 @@ class ResidencyManager:
             return []
         return [i for i, page in enumerate(req.pages) if page.block_ids is None]
 
-    def restore_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> None:
+    def restore_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[BlockId]]]) -> None:
         """HOST -> BOTH for these pages (index, device blocks each), filled from their host
         copies before the step's forward (the caller plans those copies and the block-table
         points); a prefill chunk restores instead of staging (`HiSparseScheduling.fit_chunk`).
@@ -384,7 +390,7 @@ class ResidencyManager:
             page = req.pages[index]
             assert page.state is PageState.HOST, f"{request_id} page {index} is {page.state.name}, not HOST"
             page.block_ids = tuple(block_ids)
-            self._new_host_pages.append((request_id, index, NOT_ON_HOST))
+            self._new_host_pages.append((request_id, PageIndex(index), NOT_ON_HOST))
             if index < demotable:
                 req.num_host_demotable -= 1
                 self._add_settled(req, index)
@@ -469,7 +475,7 @@ class ResidencyManager:
         """Whether the request still has prompt tokens to compute (relief prefers other victims)."""
         self.requests[request_id].prefilling = prefilling
 
-    def drain_changes(self) -> tuple[list[tuple[str, int, int]], list[tuple[str, list[int]]]]:
+    def drain_changes(self) -> tuple[list[tuple[str, PageIndex, HostPage]], list[tuple[str, list[BlockId]]]]:
         """Pages that turned HOST and leases taken since the last call, for the workers' maps."""
         changes = self._new_host_pages, self._new_leases
         self._new_host_pages, self._new_leases = [], []
@@ -513,7 +519,9 @@ class ResidencyManager:
             req = self.requests[request_id]
             page = req.pages[index]
             assert page.block_ids is not None and page.state is PageState.DEVICE and not page.copying
-            copy = PageCopy(CopyId(next(self._copy_ids)), request_id, index, page.block_ids, host_page)
+            copy = PageCopy(
+                CopyId(next(self._copy_ids)), request_id, PageIndex(index), page.block_ids, host_page
+            )
             page.host_page, page.copy_id = host_page, copy.copy_id
             self._in_flight[copy.copy_id] = copy
             req.uncopied.pop(index, None)
@@ -631,7 +639,7 @@ class ResidencyManager:
         self,
         blocks_needed: int,
         protect: str | None = None,
-        protected_blocks: Set[int] = frozenset(),
+        protected_blocks: frozenset[int] | set[int] = frozenset(),
         durable_only: bool = False,
     ) -> int:
         """Free device blocks by demoting pages, before the scheduler preempts anyone.
@@ -798,7 +806,10 @@ class ResidencyManager:
         if not req.both_demotable:
             self._settled.pop(req.request_id, None)
         self.counters.pages_demoted += len(indices)
-        self._new_host_pages.extend((req.request_id, i, req.pages[i].host_page) for i in indices)
+        for i in indices:
+            host_page = req.pages[i].host_page
+            assert host_page is not None
+            self._new_host_pages.append((req.request_id, PageIndex(i), host_page))
         if not req.hot_blocks:
             req.hot_blocks = self.allocator.take(req.lease_blocks)
             freed -= req.lease_blocks
@@ -883,8 +894,8 @@ class ResidencyManager:
                     assert (copy.block_ids, copy.host_page) == (page.block_ids, page.host_page)
         for copy_id, copy in self._in_flight.items():
             if copy_id not in self._orphans:
-                req = self.requests.get(copy.request_id)
-                assert req is not None and req.pages[copy.page_index].copy_id == copy_id, (
+                owner = self.requests.get(copy.request_id)
+                assert owner is not None and owner.pages[copy.page_index].copy_id == copy_id, (
                     f"copy {copy_id} of {copy.request_id} page {copy.page_index} has no page waiting for it"
                 )
             alone = self.host_pool.refs(copy.host_page) == 1 and not self.host_pool.is_indexed(copy.host_page)

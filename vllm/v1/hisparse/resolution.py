@@ -209,9 +209,9 @@ class HiSparseResolution:
             else:
                 self._with_host_pages.discard(update.request_id)
         if latest:
-            rows, pages = zip(*latest, strict=True)
+            latest_rows, latest_pages = zip(*latest, strict=True)
             self.host_page_table.index_put_(
-                (host_to_device(rows, self.device), host_to_device(pages, self.device)),
+                (host_to_device(latest_rows, self.device), host_to_device(latest_pages, self.device)),
                 host_to_device(list(latest.values()), self.device),
             )
         self._staging = {entry.request_id: entry for entry in staging}
@@ -323,6 +323,7 @@ class HiSparseResolution:
         # they are not (a forward outside a scheduled step), CPU tensors find them with a
         # count and CUDA tensors plan the batch's whole fixed shape.
         planned = step.planned_tokens(rows.shape[0])
+        tokens: torch.Tensor | None
         if planned is not None:
             tokens, token_requests = planned
             if step.plans_whole_batch(rows.shape[0]):
@@ -394,7 +395,8 @@ class HiSparseResolution:
             > self.hot_rows + slots
             for rid, slots in zip(step.request_ids, step.staging_counts, strict=True)
         )
-        token_pass, num_passes = None, 1
+        token_pass: torch.Tensor | None = None
+        num_passes = 1
         if may_overflow:
             self.counts["partitioned_plans"] += 1
             token_pass, num_passes = partition_passes(
@@ -419,6 +421,7 @@ class HiSparseResolution:
             )
             passes = [(torch.arange(positions.shape[0], device=positions.device), plan)]
         else:
+            assert token_pass is not None
             passes = plan_passes(
                 positions,
                 token_requests,
@@ -463,15 +466,15 @@ class HiSparseResolution:
             batch = input_batch.req_id_to_index
             mixed = sorted((rid for rid in self._with_host_pages if rid in batch), key=batch.__getitem__)
             step = self._step_state = _Step(self, mixed, [batch[rid] for rid in mixed])
-            known = [self._num_scheduled_tokens.get(rid) for rid in mixed]
+            known = [n for rid in mixed if (n := self._num_scheduled_tokens.get(rid)) is not None]
             # Known for every request with HOST pages (from the scheduler), else unknown.
-            step.max_tokens_per_request = max(known, default=1) if all(n is not None for n in known) else None
+            step.max_tokens_per_request = max(known, default=1) if len(known) == len(mixed) else None
             # The batch lays out each request's tokens in batch order (the runner's
             # query_start_loc): the ranges of the requests with HOST pages follow from the
             # scheduler's counts.
             order = list(getattr(input_batch, "req_ids", ()))
-            counts = [self._num_scheduled_tokens.get(rid) for rid in order]
-            if mixed and order and all(n is not None for n in counts):
+            counts = [n for rid in order if (n := self._num_scheduled_tokens.get(rid)) is not None]
+            if mixed and order and len(counts) == len(order):
                 starts = dict(zip(order, itertools.accumulate([0, *counts[:-1]]), strict=True))
                 step.set_token_ranges(
                     [(starts[rid], self._num_scheduled_tokens[rid]) for rid in mixed], sum(counts)

@@ -194,6 +194,7 @@ def plan_resolution(
     pos = positions.long()
     # A request row outside the hot state, or a table row outside the page table, is an
     # accounting error: flagged, and read as resident so every gather stays in bounds.
+    out_of_bounds: torch.Tensor | int
     if positions.is_cuda:  # device tensors: flagged without reading anything back
         out_of_bounds = (
             ((token_requests < -1) | (token_requests >= num_requests)).any()
@@ -595,6 +596,7 @@ def copy_host_rows(
             word,
         )
         if own_error:
+            assert word is not None
             check_resolution_error(int(word))
         return
     if kv_rows.is_cuda:

@@ -138,8 +138,8 @@ class HiSparseScheduling:
         self.num_groups = len(groups)
         # Staging blocks leased for this step's chunks (request -> blocks, group-major),
         # until the plan is attached; then each plan's, by step, until its output comes back.
-        self._staging: dict[str, list[int]] = {}
-        self._staging_in_flight: dict[int, list[int]] = {}
+        self._staging: dict[str, list[BlockId]] = {}
+        self._staging_in_flight: dict[int, list[BlockId]] = {}
         # Chunks fitted with staging that then could not be allocated: their next chunk
         # takes no staging (the estimate of a chunk's own blocks missed something).
         self._unplaced: set[str] = set()
@@ -172,7 +172,7 @@ class HiSparseScheduling:
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if self.import_kind is ImportKind.LANDS_ON_HOST:
-            scheduler.connector.host_landing = self.admissions.host_landing
+            setattr(scheduler.connector, "host_landing", self.admissions.host_landing)  # noqa: B010
         elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
             logger.info(
                 "Hybrid HiSparse: %s loads imports into device blocks, as upstream; a connector "
@@ -326,11 +326,12 @@ class HiSparseScheduling:
         indices = self.residency.host_page_indices(request_id)
         blocks = self.blocks.take(len(indices) * page)
         pages = [(index, blocks[i * page : (i + 1) * page]) for i, index in enumerate(indices)]
-        host_pages = [req.pages[index].host_page for index in indices]
+        host_pages = [hp for index in indices if (hp := req.pages[index].host_page) is not None]
+        assert len(host_pages) == len(indices), f"{request_id}: a HOST page has no host page"
         self.blocks.fill_pages(request_id, pages)
         self.residency.restore_pages(request_id, pages)
         self._restores.extend(
-            PageRestore(request_id, PageIndex(i), tuple(BlockId(b) for b in block_ids), HostPage(host_page))
+            PageRestore(request_id, PageIndex(i), tuple(block_ids), host_page)
             for (i, block_ids), host_page in zip(pages, host_pages, strict=True)
         )
         self.prefill_restores += 1
@@ -488,7 +489,7 @@ class HiSparseScheduling:
         if self.check_each_step:
             self.check_ownership()
 
-    def _lease_update(self, request_id: str, blocks: list[int]) -> HotLeaseUpdate:
+    def _lease_update(self, request_id: str, blocks: list[BlockId]) -> HotLeaseUpdate:
         """A lease as the workers map it: every group's blocks, padded to the default lease
         with the null block (a smaller lease covers all the request's HOST rows, so its
         resolver never places a row past them)."""
@@ -568,7 +569,7 @@ class HiSparseScheduling:
         """The most tokens the request's context can reach: what its hot lease must cover."""
         return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
 
-    def staging_blocks(self) -> list[int]:
+    def staging_blocks(self) -> list[BlockId]:
         """Staging blocks held now: this step's chunks' and every plan's still in flight."""
         held = [b for blocks in self._staging.values() for b in blocks]
         held += [b for blocks in self._staging_in_flight.values() for b in blocks]
@@ -609,7 +610,7 @@ class HiSparseScheduling:
         residency = self.residency
         req = residency.requests[request_id]
         # Consecutive HOST pages pass over in one run each (a host prefix hit is hundreds).
-        run: list[int] = []
+        run: list[HostPage] = []
         run_imported = False
 
         def pass_run() -> None:
@@ -624,12 +625,14 @@ class HiSparseScheduling:
                 if run and imported != run_imported:
                     pass_run()
                 run_imported = imported
-                run.append(record.host_pages.pop(position))
+                run.append(record.host_pages.pop(PageIndex(position)))
                 continue
             pass_run()
             block_ids = self.blocks.page_block_ids(request_id, position)
             if position in record.restores:
-                residency.append_restored_page(request_id, block_ids, record.restores.pop(position))
+                residency.append_restored_page(
+                    request_id, block_ids, record.restores.pop(PageIndex(position))
+                )
             else:
                 # A null placeholder always comes with its host page (the admission's).
                 assert self.null_block_id not in block_ids, f"{request_id}: page {position} has no copy"

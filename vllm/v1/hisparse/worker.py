@@ -30,6 +30,7 @@ the KV cache only through the planned copies; the resolution loads rows.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from copy import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ logger = init_logger(__name__)
 class _StepReport:
     """What one step leaves to report: its copies and counters, done once `event` has passed."""
 
-    copies: list[int]  # copy ids
+    copies: Sequence[int]  # copy ids
     # DEVICE_COUNTERS, the step's error bits, then each of `request_ids`' own error bits.
     device_counts: torch.Tensor
     host_counts: dict[str, int]
@@ -98,7 +99,7 @@ class StepReports:
 
     def submit(
         self,
-        copies: list[int],
+        copies: Sequence[int],
         device_counts: torch.Tensor,
         error: torch.Tensor,
         host_counts: dict[str, int],

@@ -65,6 +65,7 @@ def build_scheduler(
     """
     from vllm.config import hisparse as hisparse_settings
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -83,6 +84,7 @@ def build_scheduler(
         )
     finally:
         hisparse_settings.workers_execute_plans = saved
+    assert isinstance(scheduler, Scheduler), f"{scheduler_cls.__name__} is not vLLM's Scheduler"
     return scheduler, make_block_hasher(vllm_config, hash_block_size)
 
 

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import vllm.config.hisparse as hisparse_settings
 from vllm.config.hisparse import (
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     import torch
 
     from vllm.config import CacheConfig, VllmConfig
+    from vllm.config.cache import CacheDType
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 
 GiB = 1 << 30
@@ -299,7 +300,8 @@ def read_model_config(model: str) -> tuple[dict[str, Any], str]:
         ) from None
     if not isinstance(data, dict):
         raise PlannerError(f"--model {model}: {file} holds {type(data).__name__}, not a config object")
-    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    text_config = data.get("text_config")
+    text = text_config if isinstance(text_config, dict) else data
     if not text.get("index_topk") or not text.get("kv_lora_rank"):
         kind = data.get("model_type") or data.get("architectures") or "unknown"
         raise PlannerError(
@@ -400,7 +402,8 @@ def sparse_mla_cache_dtype(kv_cache_dtype: str, attention_backend: str | None) -
         backend = AttentionBackendEnum[name].get_class()
     except KeyError:
         raise PlannerError(f"--attention-backend {name!r} is not a vLLM attention backend") from None
-    return _canonicalize_sparse_mla_kv_cache_dtype(backend, kv_cache_dtype)
+    # A name vLLM's cache config accepts (the serve parser checked it against CacheDType).
+    return _canonicalize_sparse_mla_kv_cache_dtype(backend, cast("CacheDType", kv_cache_dtype))
 
 
 def resolve_layout(
@@ -412,7 +415,7 @@ def resolve_layout(
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
 
-    backends = [
+    backends: list[Any] = [  # backend classes
         AttentionBackendEnum[attention_backend or DEFAULT_SPARSE_MLA_BACKEND].get_class(),
         DeepseekV32IndexerBackend,
     ]
@@ -435,14 +438,17 @@ def layer_kv_cache_specs(
 
     hf = vllm_config.model_config.hf_text_config
     cache_config = vllm_config.cache_config
-    cache_config.cache_dtype = sparse_mla_cache_dtype(cache_config.cache_dtype, attention_backend)
+    cache_config.cache_dtype = cast(
+        "CacheDType", sparse_mla_cache_dtype(cache_config.cache_dtype, attention_backend)
+    )
+    # The stand-in layers carry only the attributes get_kv_cache_spec reads.
     sparse_mla = MLAAttention.get_kv_cache_spec(
-        _SparseMLALayer(cache_config.cache_dtype, hf.kv_lora_rank + hf.qk_rope_head_dim),
+        cast(Any, _SparseMLALayer)(cache_config.cache_dtype, hf.kv_lora_rank + hf.qk_rope_head_dim),
         vllm_config,
     )
     indexer_head = hf.index_head_dim + hf.index_head_dim // INDEXER_QUANT_BLOCK * 4
     indexer = DeepseekV32IndexerCache.get_kv_cache_spec(
-        _IndexerCacheLayer(cache_config, indexer_head, torch.uint8),
+        cast(Any, _IndexerCacheLayer)(cache_config, indexer_head, torch.uint8),
         vllm_config,
     )
     specs: dict[str, KVCacheSpec] = {}
@@ -524,7 +530,7 @@ def estimate_weights(hf: Any, tensor_parallel_size: int, dtype: str, mtp_layers:
 
     plain = 2 if dtype == "fp8" else BYTES_PER_WEIGHT[dtype]
     linear = BYTES_PER_WEIGHT[dtype]
-    per_gpu = 0
+    per_gpu = 0.0
     for (sharded, quantized), params in buckets.items():
         share = params / tensor_parallel_size if sharded else params
         per_gpu += share * (linear if quantized else plain)
@@ -595,13 +601,13 @@ def engine_config(
         optional["kv_transfer_config"] = with_cpu_bytes(request.kv_transfer_config, offload_bytes(request))
     if request.hf_overrides:
         optional["hf_overrides"] = request.hf_overrides
+    optional["max_model_len"] = max_model_len  # None: the model's own
     optional = {name: value for name, value in optional.items() if value is not None}
     args = EngineArgs(
         model=str(model_dir),
         skip_tokenizer_init=True,
         tensor_parallel_size=request.tensor_parallel_size,
-        max_model_len=max_model_len,
-        kv_cache_dtype=request.kv_cache_dtype,
+        kv_cache_dtype=cast("CacheDType", request.kv_cache_dtype),
         gpu_memory_utilization=request.gpu_memory_utilization,
         max_num_batched_tokens=request.max_num_batched_tokens,
         max_num_seqs=request.max_num_seqs,
@@ -688,7 +694,8 @@ def connector_tier_tokens(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     offloading = build_offloading_config(vllm_config, view)
     spec = OffloadingSpecFactory.create_spec(offloading)
     tokens_per_block = offloading.groups[0].tokens_per_block
-    return int(spec.num_blocks) * offloading.cache.blocks_per_chunk * tokens_per_block
+    # The CPU spec's block count (not part of the OffloadingSpec interface).
+    return int(cast(Any, spec).num_blocks) * offloading.cache.blocks_per_chunk * tokens_per_block
 
 
 @dataclass
@@ -859,7 +866,9 @@ def plan_configuration(
             limited_by = "host pool" if leased == by_host < by_device else "device"
             if leased == max_num_seqs:
                 limited_by = "max_num_seqs"
-        mode = vllm_config.attention_config.hisparse_config.mode
+        hisparse = vllm_config.attention_config.hisparse_config
+        assert hisparse is not None
+        mode = hisparse.mode
         if mode == "hybrid":
             full_beside = min((usable - leased * blocks_leased) // blocks_full, max_num_seqs - leased)
         else:
@@ -1090,7 +1099,7 @@ TABLE_HEADER = (
 
 
 def table_rows(plan: Plan) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for c in plan.configurations:
         if c.name == "hybrid":
             leased = f"{c.leased_sessions:,} ({c.session_blocks_leased:,} blocks each)"
@@ -1427,7 +1436,7 @@ def request_from_args(args: argparse.Namespace, defaults: argparse.Namespace | N
         given = parse_json_flag("--kv-transfer-config", args.kv_transfer_config)
         try:
             # vLLM 0.30's spelling of hisparse_config: a HiSparseConnector (see docs/deploy.md).
-            settings, given = split_hisparse_connector(given)
+            settings, remaining = split_hisparse_connector(given)
         except ValueError as error:
             raise PlannerError(str(error)) from None
         if settings is not None:
@@ -1438,8 +1447,8 @@ def request_from_args(args: argparse.Namespace, defaults: argparse.Namespace | N
                     f"hisparse_config ({ours}) disagree: keep one of them"
                 )
             attention_config = {**attention_config, "hisparse_config": {**settings, **(ours or {})}}
-        if given is not None:
-            kv_transfer = offloading_connector_config(given)
+        if remaining is not None:
+            kv_transfer = offloading_connector_config(remaining)
     if not args.attention_config and "hisparse_config" not in attention_config:
         raise PlannerError(
             "--attention-config is required (in --serve-command or on its own), with the deployment's "

@@ -57,7 +57,12 @@ if TYPE_CHECKING:
 GiB = 1 << 30
 CONFIGS = ("preemption", "offload", "hybrid", "always")
 # The planner's configuration each one runs (always: the hybrid one, mode "always").
-PLANNED_AS = {"preemption": "none", "offload": "offload", "hybrid": "hybrid", "always": "hybrid"}
+PLANNED_AS: dict[str, planner.Configuration] = {
+    "preemption": "none",
+    "offload": "offload",
+    "hybrid": "hybrid",
+    "always": "hybrid",
+}
 # The announcement's two flags (its vllm serve line) and benchmark settings.
 ANNOUNCEMENT_ATTENTION_CONFIG = '{"hisparse_config":{"host_pool_gib":384}}'
 ANNOUNCEMENT_KV_TRANSFER_CONFIG = (
@@ -504,7 +509,10 @@ class Simulation:
         tpots = [
             (t.last_token - t.first_token) / (t.output_tokens - 1)
             for t in finished_turns
-            if t.output_tokens > 1 and t.first_token is not None and t.last_token > t.first_token
+            if t.output_tokens > 1
+            and t.first_token is not None
+            and t.last_token is not None
+            and t.last_token > t.first_token
         ]
         record.per_user_tokens_per_s = statistics.fmean(1 / x for x in tpots) if tpots else 0.0
         record.tpot_p50_s, record.tpot_p99_s = percentile(tpots, 0.5), percentile(tpots, 0.99)
@@ -537,6 +545,7 @@ class Simulation:
     def _work(self, output: SchedulerOutput) -> tuple[list[ScheduledWork], int, int]:
         """Each scheduled request's tokens; the host rows the step loads; pages restored."""
         scheduler = self.scheduler
+        assert scheduler is not None
         residency = self.hisparse.residency.requests if self.hisparse is not None else {}
         topk = self.model.shape.index_topk
         work: list[ScheduledWork] = []
@@ -571,7 +580,7 @@ class Simulation:
         meta = output.kv_connector_metadata
         if not isinstance(meta, OffloadingConnectorMetadata):
             return []
-        due = []
+        due: list[tuple[float, int, str | None]] = []
         for jobs, is_load in ((meta.load_jobs, True), (meta.store_jobs, False)):
             for job_id, job in jobs.items():
                 gpu = job.dst_spec if is_load else job.src_spec
@@ -595,6 +604,7 @@ class Simulation:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         scheduler = self.scheduler
+        assert scheduler is not None
         req_ids = list(output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         spec = output.scheduled_spec_decode_tokens
@@ -634,10 +644,12 @@ class Simulation:
         """The drafter's proposals for every request that just decoded or finished its prefill."""
         from vllm.v1.outputs import DraftTokenIds
 
-        req_ids = [r for r in output.num_scheduled_tokens if r in self.scheduler.requests]
+        scheduler = self.scheduler
+        assert scheduler is not None
+        req_ids = [r for r in output.num_scheduled_tokens if r in scheduler.requests]
         if req_ids:
             drafts = [[SAMPLED_TOKEN] * spec_tokens for _ in req_ids]
-            self.scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+            scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
 
 
 # ----------------------------------------------------------------------------- planning

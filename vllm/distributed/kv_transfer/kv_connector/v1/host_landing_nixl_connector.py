@@ -247,8 +247,9 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> NixlConnectorMetadata:
         landings, self._landings = self._landings, {}
         meta = super().build_connector_meta(scheduler_output)
+        assert isinstance(meta, NixlConnectorMetadata)
         # Read by HostLandingNixlWorker.start_load_kv; absent on upstream's workers.
-        meta.host_landing = landings
+        meta.host_landing = landings  # type: ignore[attr-defined]
         return meta
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -356,7 +357,8 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         remote = meta.remote
         num_blocks = self.dst_num_blocks.get(remote.engine_id)
         if num_blocks is not None:
-            ratio = self.transfer_topo.get_engine_info(remote.engine_id).remote_physical_blocks_per_logical
+            topo = self.transfer_topo  # set with the handshake that recorded num_blocks
+            ratio = topo.get_engine_info(remote.engine_id).remote_physical_blocks_per_logical if topo else 1
             problem = remote_block_ids_problem(
                 remote.block_ids, len(meta.local_block_ids), num_blocks // max(int(ratio), 1)
             )

@@ -32,6 +32,7 @@ from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionLayer,
+    AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MLAAttentionImpl,
@@ -52,7 +53,7 @@ DSA_BLOCK_SIZE = 64
 
 
 @dataclass
-class CPUDSAMetadata:
+class CPUDSAMetadata(AttentionMetadata):
     """Per-step metadata of one KV cache group, for the indexer and sparse MLA layers."""
 
     num_actual_tokens: int
@@ -136,7 +137,9 @@ class CPUDSAIndexerBackend(DeepseekV32IndexerBackend):
         return [DSA_BLOCK_SIZE]
 
     @staticmethod
-    def get_builder_cls() -> type[CPUDSAMetadataBuilder]:
+    def get_builder_cls() -> type[CPUDSAMetadataBuilder]:  # type: ignore[override]
+        # Upstream's indexer backend names its CUDA builder as the return type; this one
+        # builds the same indexer metadata for the CPU kernels.
         return CPUDSAMetadataBuilder
 
 
