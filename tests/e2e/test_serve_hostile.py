@@ -9,7 +9,9 @@ two of the prompts here):
   their first token (while queued or being prefilled) or disconnected
   mid-stream, while a few normal requests must still produce their greedy
   tokens; prompts over `max_model_len`, out-of-vocabulary token ids, `n > 1`,
-  seeded sampling, `prompt_logprobs` and structured output;
+  seeded sampling, `prompt_logprobs` and structured output; a real Prometheus
+  scrapes it through a pressure run and must answer every query of the Grafana
+  dashboard with data;
 - one has a host pool of a single request's pages, so demotion runs out of
   host pages and the scheduler must fall back to preemption without losing a
   request;
@@ -41,7 +43,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +53,7 @@ import psutil
 import pytest
 from engine import SPARSE_GLM5
 from server_process import SHM, model_runner_process, process_tree, shared_memory_in_use
-from serving import VllmServer, metric, offloading_connector
+from serving import VllmServer, free_port, metric, offloading_connector
 
 pytestmark = pytest.mark.slow_test
 
@@ -319,6 +321,126 @@ async def abort_storm(server: VllmServer, normal_prompts: list[list[int]]) -> St
     return outcome
 
 
+DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "hisparse.json"
+PROMETHEUS_TIMEOUT_S = 60
+
+
+class Prometheus:
+    """A Prometheus server (Debian's `prometheus` package) scraping one `vllm serve` every second,
+    with its HTTP API on a free local port and its log and storage under `workdir`."""
+
+    def __init__(self, binary: str, server: VllmServer, workdir: Path) -> None:
+        self.port = free_port()
+        self.log_path = workdir / "prometheus.log"
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            "global:\n"
+            "  scrape_interval: 1s\n"
+            "  scrape_timeout: 1s\n"
+            "scrape_configs:\n"
+            "  - job_name: vllm\n"
+            "    metrics_path: /metrics\n"
+            "    static_configs:\n"
+            f'      - targets: ["127.0.0.1:{server.port}"]\n'
+        )
+        self.cmd = [
+            binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]  # fmt: skip
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "".join(text.splitlines(keepends=True)[-lines:])
+
+    def start(self) -> None:
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.wait_until("Prometheus is ready", self._ready)
+        self.wait_until("Prometheus scrapes the server (up == 1)", lambda: self.value("up") == 1.0)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/-/ready", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_until(self, what: str, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + PROMETHEUS_TIMEOUT_S
+        while not condition():
+            assert self.process is not None
+            if self.process.poll() is not None:
+                pytest.fail(f"prometheus exited with {self.process.returncode}; log tail:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"not within {PROMETHEUS_TIMEOUT_S} s: {what}; log tail:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def query(self, expr: str) -> dict:
+        """The API's answer to an instant query evaluated now."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/query"
+        return httpx.get(url, params={"query": expr, "time": f"{time.time():.3f}"}, timeout=30).json()
+
+    def value(self, expr: str) -> float | None:
+        """The value of the first series an instant query returns, or None when it returns none."""
+        answer = self.query(expr)
+        result = answer.get("data", {}).get("result") if answer.get("status") == "success" else None
+        return float(result[0]["value"][1]) if result else None
+
+    def scrapes(self) -> int:
+        """Successful scrapes of the server so far."""
+        return int(self.value('sum_over_time(up{job="vllm"}[1h])') or 0)
+
+
+def prometheus_binary() -> str:
+    """The `prometheus` on PATH; the test skips without one, or fails where CI demands it."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        if os.environ.get("HISPARSE_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail("HISPARSE_REQUIRE_PROMETHEUS=1 but no `prometheus` is on PATH")
+        pytest.skip("Debian's prometheus package is not installed; .ci/run installs it")
+    return binary
+
+
+@contextlib.contextmanager
+def prometheus_scraping(binary: str, server: VllmServer, workdir: Path) -> Iterator[Prometheus]:
+    """A started Prometheus scraping `server`, stopped on leaving."""
+    prometheus = Prometheus(binary, server, workdir)
+    try:
+        prometheus.start()
+        yield prometheus
+    finally:
+        prometheus.stop()
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expr) of every target of the dashboard, with each multi-value variable set
+    to its "All" value: Grafana matches it with `=~`, so "All" is the regex `.*`."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    every = {}
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            assert variable["includeAll"], f"${variable['name']} has no All value"
+            every[variable["name"]] = ".*"
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for name, value in every.items():
+                expr = expr.replace("${" + name + "}", value).replace("$" + name, value)
+            assert "$" not in expr, f"{panel['title']}: a variable the test does not set in {expr}"
+            queries.append((panel["title"], expr))
+    return queries
+
+
 class TestAbortsAndBadInput:
     """One pressured server (host pool 1 GiB) takes the abort storm and the bad input. Inputs
     whose mishandling can kill the engine come last; a dead server is started again."""
@@ -362,6 +484,60 @@ class TestAbortsAndBadInput:
         for name in ("vllm:hisparse_pages_demoted_total", "vllm:hisparse_pages_copied_to_host_total",
                      "vllm:hisparse_bytes_to_host_total"):  # fmt: skip
             assert metric(text, name) > 0, f"{name} has no data after the abort storm"
+
+    def test_every_dashboard_query_returns_data_in_prometheus_after_pressure(self, pressured, tmp_path):
+        """A real Prometheus scrapes the server every second while requests demote pages: every
+        query of examples/grafana/hisparse.json (its model variable at "All") must then return
+        data, and the rates of pages demoted and bytes to the host must have moved."""
+        binary = prometheus_binary()
+        queries = dashboard_queries()
+        server = pressured.live()
+        rng = random.Random(19)
+        prompts = [random_prompt(rng, 700) for _ in range(3)]  # three of them need more than the pool
+        with prometheus_scraping(binary, server, tmp_path) as prometheus:
+            prometheus.wait_until("two scrapes before the workload", lambda: prometheus.scrapes() >= 2)
+            demoted = "sum(vllm:hisparse_pages_demoted_total)"
+            demoted_before = prometheus.value(demoted) or 0.0
+            before = server.metrics()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                done = list(pool.map(lambda p: greedy(server, p, NORMAL_TOKENS, cache_salt="prom"), prompts))
+            assert all(choice["finish_reason"] == "length" for choice in done), done
+            assert increase(before, server.metrics(), "vllm:hisparse_pages_demoted_total") > 0, (
+                "the workload never demoted a page"
+            )
+            scraped = prometheus.scrapes()
+            prometheus.wait_until(
+                "two scrapes after the workload that saw its demotions",
+                lambda: (
+                    prometheus.scrapes() >= scraped + 2 and (prometheus.value(demoted) or 0) > demoted_before
+                ),
+            )
+            answers = [(title, expr, prometheus.query(expr)) for title, expr in queries]
+            template = json.loads(DASHBOARD.read_text())["templating"]["list"]
+            label_query = next(v["query"] for v in template if v["name"] == "model_name")
+            variable = re.fullmatch(r"label_values\((.+), (\w+)\)", label_query)
+            assert variable, f"the model variable's query is not label_values(): {label_query}"
+            series, label = variable.groups()
+            label_url = f"http://127.0.0.1:{prometheus.port}/api/v1/label/{label}/values"
+            models = httpx.get(label_url, params={"match[]": series}, timeout=30).json()
+            log = prometheus.log_tail()
+
+        empty = [
+            f"{title}: {expr}\n  -> {json.dumps(answer)[:500]}"
+            for title, expr, answer in answers
+            if answer.get("status") != "success" or not answer["data"]["result"]
+        ]
+        assert not empty, "dashboard queries without data:\n" + "\n".join(empty) + f"\nprometheus log:\n{log}"
+        assert SERVED_NAME in models.get("data", []), (
+            f"the model variable's query ({label_query}) gave {models}"
+        )
+        for counter in ("vllm:hisparse_pages_demoted_total", "vllm:hisparse_bytes_to_host_total"):
+            moved = [(expr, answer) for _, expr, answer in answers if f"rate({counter}" in expr]
+            assert moved, f"the dashboard has no rate() of {counter}"
+            for expr, answer in moved:
+                values = [float(series["value"][1]) for series in answer["data"]["result"]]
+                assert any(v > 0 for v in values), f"{expr} read {values} after pages were demoted"
+        pressured.assert_returned_everything()
 
     def test_prompt_over_max_model_len_is_refused_with_a_400(self, pressured):
         server = pressured.live()
