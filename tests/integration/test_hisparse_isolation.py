@@ -393,3 +393,37 @@ def test_a_connector_hit_whose_tail_left_the_host_pool_keeps_the_pages_the_pool_
     assert started == held * BLOCK, f"B2 started at token {started}, not after the {held} host-held pages"
     h.run_until_done()
     h.hisparse.check_ownership()
+
+
+def test_the_offloading_connector_gets_no_block_id_snapshot_and_other_connectors_do(model, monkeypatch):
+    """vLLM 0.29's OffloadingConnector reads only the boundary-state handoffs of the
+    scheduler's per-step block state, so under HiSparse the scheduler leaves out the
+    per-request block ids (every KV cache group's, for each new or grown request). Any other
+    connector, a subclass of it included, still gets them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    h = offloading_harness(model, "snapshot-test", report_delay=1)
+    assert type(h.scheduler.connector) is OffloadingConnector
+    h.add_request(prompt(5, 300), max_tokens=3, request_id="S1")
+    states = []  # what the connector reads while it builds each step's metadata
+    connector = h.scheduler.connector
+    real = connector.build_connector_meta
+
+    def build_connector_meta(scheduler_output):
+        if scheduler_output.num_scheduled_tokens:
+            states.append(scheduler_output.kv_connector_block_state)
+        return real(scheduler_output)
+
+    monkeypatch.setattr(connector, "build_connector_meta", build_connector_meta)
+    h.run_until_done()
+    assert states and all(s is not None and s.block_ids == {} for s in states), states
+    assert h.requests["S1"].num_output_tokens == 3
+
+    from vllm.v1.hisparse.kv_import import reads_block_id_snapshot
+
+    class ReadsBlockIds(OffloadingConnector):
+        pass
+
+    assert not reads_block_id_snapshot(h.scheduler.connector)
+    assert reads_block_id_snapshot(object.__new__(ReadsBlockIds))
+    assert reads_block_id_snapshot(object())

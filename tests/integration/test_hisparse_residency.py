@@ -53,7 +53,8 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def check_block_accounting(h: SchedulerHarness) -> None:
-    """Every block reference is owned once: block tables, hot leases, held copies."""
+    """Every block reference is owned once: block tables, hot leases, held copies, staging
+    (a plan's in flight, or spare for the next step's takes)."""
     expected: Counter[int] = Counter()
     managers = h.kv_cache_manager.coordinator.single_type_managers
     for manager in managers:
@@ -62,6 +63,7 @@ def check_block_accounting(h: SchedulerHarness) -> None:
     residency = h.hisparse.residency
     expected.update(residency.leased_blocks())
     expected.update(residency.held_blocks())
+    expected.update(h.hisparse.staging_blocks())
     for block in h.block_pool.blocks:
         if block.is_null:
             continue
@@ -586,3 +588,44 @@ def test_copies_reported_with_a_step_that_has_no_plan_are_durable(model):
     assert h.hisparse.residency.counters.pages_copied_to_host == len(in_flight)
     req = h.hisparse.residency.requests[rid]
     assert req.count(PageState.BOTH) == len(in_flight), "the pages are durable on the host"
+
+
+def test_consecutive_staged_chunks_reuse_the_staging_blocks_without_the_pool(model, monkeypatch):
+    # A 1200-token prompt in 64-token chunks, in a pool too small for it: once its early
+    # pages are on the host, every chunk stages. The staging a step's output gives up stays
+    # with HiSparse for the next steps' takes, so chunks after the first take their
+    # staging without a round trip through the pool's free queue (each block one pop and
+    # one free of upstream's pool per step before). Nothing is preempted, every block is
+    # owned once after every step, and the spare blocks return once no request has HOST
+    # pages.
+    h = harness(model, 8, max_model_len=2048, max_num_batched_tokens=64)
+    hisparse, pool = h.hisparse, h.block_pool
+    staging_pops = []
+    in_fit = []
+    real_fit, real_pop = hisparse.fit_chunk, pool.get_new_blocks
+
+    def fit_chunk(*args, **kwargs):
+        in_fit.append(True)
+        try:
+            return real_fit(*args, **kwargs)
+        finally:
+            in_fit.pop()
+
+    def get_new_blocks(num_blocks):
+        if in_fit:
+            staging_pops.append(num_blocks)
+        return real_pop(num_blocks)
+
+    monkeypatch.setattr(hisparse, "fit_chunk", fit_chunk)
+    monkeypatch.setattr(pool, "get_new_blocks", get_new_blocks)
+    rid = h.add_request(prompt(2, 1200), max_tokens=4).request_id
+    obs = run_checked(h)
+    assert h.requests[rid].num_output_tokens == 4 and h.total_preemptions == 0
+    staged = [sum(len(group) for s in o.hisparse_plan.staging for group in s.block_ids) for o in obs]
+    staged_steps = [n for n in staged if n]
+    assert len(staged_steps) >= 3, f"consecutive chunks stage: {staged}"
+    assert obs[-1].hisparse_stats["prefill_restores"] == 0
+    assert sum(staging_pops) < sum(staged_steps) / 2, (
+        f"staging took {sum(staging_pops)} blocks from the pool for {sum(staged_steps)} staged: {staged}"
+    )
+    assert not hisparse.blocks.num_spare() and h.num_free_blocks() == h.kv_cache_config.num_blocks - 1

@@ -54,6 +54,10 @@ class KVCacheBlockAccess:
         self.updates: list[BlockTableUpdate] = []
         self._scheduler: Scheduler | None = None
         self._guarded: Callable[[], Iterable[KVCacheBlock]] = tuple
+        # Staging blocks a finished step gave up, held (one reference each) for the next
+        # step's takes instead of round trips through the pool's free queue; given back
+        # whenever the pool itself must have them (`release_spare`).
+        self._spare: list[BlockId] = []
 
     def guard_with(self, guarded: Callable[[], Iterable[KVCacheBlock]]) -> None:
         """Never take the blocks `guarded()` names (pending admissions' prefix hits)."""
@@ -74,8 +78,25 @@ class KVCacheBlockAccess:
         return list(seen.values())
 
     def num_free_blocks(self) -> int:
-        """Free blocks HiSparse may take: the pool's, less the guarded ones."""
-        return self._pool.get_num_free_blocks() - len(self._guarded_free())
+        """Free blocks HiSparse may take: the pool's, less the guarded ones, and the spare ones."""
+        return self._pool.get_num_free_blocks() - len(self._guarded_free()) + len(self._spare)
+
+    def keep_spare(self, block_ids: Sequence[BlockId]) -> None:
+        """Hold these staging blocks (the caller's references pass on) for the next takes."""
+        self._spare.extend(block_ids)
+
+    def release_spare(self) -> int:
+        """Give every spare block back to the pool; how many."""
+        spare, self._spare = self._spare, []
+        if spare:
+            self._free(self._blocks(spare))
+        return len(spare)
+
+    def spare_blocks(self) -> list[BlockId]:
+        return list(self._spare)
+
+    def num_spare(self) -> int:
+        return len(self._spare)
 
     def frees_are_deferred(self) -> bool:
         scheduler = self._scheduler
@@ -100,8 +121,20 @@ class KVCacheBlockAccess:
         return [self._pool.blocks[b] for b in block_ids]
 
     def take(self, num_blocks: int) -> list[BlockId]:
-        """`num_blocks` new blocks, none of them guarded. While it takes, guarded free
-        blocks are held out of the free queue (they return to its LRU end)."""
+        """`num_blocks` new blocks, none of them guarded: spare ones first, then the pool's.
+        While it takes from the pool, guarded free blocks are held out of the free queue
+        (they return to its LRU end)."""
+        spare = self._spare
+        if spare:
+            n = min(num_blocks, len(spare))
+            taken = spare[len(spare) - n :]
+            del spare[len(spare) - n :]
+            if n == num_blocks:
+                return taken
+            return taken + self._take_from_pool(num_blocks - n)
+        return self._take_from_pool(num_blocks)
+
+    def _take_from_pool(self, num_blocks: int) -> list[BlockId]:
         guarded = self._guarded_free()
         if not guarded:
             return [BlockId(b.block_id) for b in self._pool.get_new_blocks(num_blocks)]

@@ -56,6 +56,16 @@ def import_kind(connector: Any) -> ImportKind:
     return ImportKind.DEVICE
 
 
+def reads_block_id_snapshot(connector: Any) -> bool:
+    """Whether `connector` reads the scheduler's per-step block-id snapshot
+    (`SchedulerOutput.kv_connector_block_state.block_ids`). vLLM 0.29's OffloadingConnector
+    reads only that state's boundary-state handoffs; any other connector, a subclass
+    included, is assumed to read it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    return type(connector) is not OffloadingConnector
+
+
 def hit_chunk_tokens(connector: Any) -> int | None:
     """Tokens per chunk of an OffloadingConnector's hits, where such a hit may be cut short
     at any chunk boundary; None where it may not (another connector, or one whose hits

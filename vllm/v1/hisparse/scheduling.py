@@ -41,7 +41,7 @@ from vllm.v1.hisparse.admission import Admissions, PendingAdmission
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
-from vllm.v1.hisparse.kv_import import ImportKind, hit_chunk_tokens, import_kind
+from vllm.v1.hisparse.kv_import import ImportKind, hit_chunk_tokens, import_kind, reads_block_id_snapshot
 from vllm.v1.hisparse.ownership import check_ownership
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
@@ -171,6 +171,9 @@ class HiSparseScheduling:
             hit_chunk_tokens=hit_chunk_tokens(scheduler.connector),
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
+        if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):
+            # The scheduler then skips the per-request block ids (every KV cache group's).
+            setattr(scheduler.connector, "reads_block_id_snapshot", False)  # noqa: B010
         if self.import_kind is ImportKind.LANDS_ON_HOST:
             setattr(scheduler.connector, "host_landing", self.admissions.host_landing)  # noqa: B010
         elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
@@ -211,10 +214,15 @@ class HiSparseScheduling:
 
     def relieve_pressure(self, request: Request, num_blocks: int, new_computed_blocks: Any = ()) -> bool:
         """Free `num_blocks` by demotion before the scheduler preempts; True if that many are free now."""
+        # The pool counts none of the spare staging blocks free: they go back first.
+        free_before = self.blocks.num_free_blocks() - self.blocks.release_spare()
+        if self.blocks.num_free_blocks() - free_before >= num_blocks:
+            return True
         protected = self.admissions.hit_block_ids()
         protected.update(b.block_id for group in new_computed_blocks for b in group)
-        free_before = self.blocks.num_free_blocks()
-        self.residency.relieve_pressure(num_blocks, protected_blocks=protected)
+        self.residency.relieve_pressure(
+            num_blocks - (self.blocks.num_free_blocks() - free_before), protected_blocks=protected
+        )
         if self.blocks.num_free_blocks() - free_before >= num_blocks:
             self.residency.counters.preemptions_avoided += 1
             return True
@@ -354,7 +362,7 @@ class HiSparseScheduling:
     def _return_staging(self, request_id: str) -> None:
         blocks = self._staging.pop(request_id, None)
         if blocks:
-            self.blocks.give_back(blocks)
+            self.blocks.keep_spare(blocks)
 
     def extend_prefix_hit(
         self, request: Request, blocks: KVCacheBlocks, num_tokens: int
@@ -430,8 +438,9 @@ class HiSparseScheduling:
             self._host_backed.clear()
 
     def has_pending_work(self) -> bool:
-        """Copies in flight whose reports only later steps collect: the engine keeps stepping."""
-        return self.residency.num_copies_in_flight() > 0
+        """Copies in flight whose reports only later steps collect, or spare staging blocks
+        only a step's scheduling returns: the engine keeps stepping."""
+        return self.residency.num_copies_in_flight() > 0 or self.blocks.num_spare() > 0
 
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
@@ -486,6 +495,11 @@ class HiSparseScheduling:
             leases=tuple(self._lease_update(rid, blocks) for rid, blocks in new_leases),
             staging=tuple(staging),
         )
+        # Spare staging blocks stay for later steps' takes while some request has HOST pages
+        # (only those stage); the pool takes them back whenever an allocation would fail
+        # without them (`relieve_pressure`).
+        if not self.residency.pages_by_state()[PageState.HOST]:
+            self.blocks.release_spare()
         if self.check_each_step:
             self.check_ownership()
 
@@ -512,7 +526,8 @@ class HiSparseScheduling:
         if plan is not None:
             staging = self._staging_in_flight.pop(plan.step, None)
             if staging:
-                self.blocks.give_back(staging)
+                # Kept for later steps' takes (see `finish_step` and `relieve_pressure`).
+                self.blocks.keep_spare(staging)
         counts = self.worker_counts
         for name, value in (getattr(output, "hisparse_counters", None) or {}).items():
             if name in counts:
@@ -570,9 +585,11 @@ class HiSparseScheduling:
         return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
 
     def staging_blocks(self) -> list[BlockId]:
-        """Staging blocks held now: this step's chunks' and every plan's still in flight."""
+        """Staging blocks held now: this step's chunks', every plan's still in flight, and the
+        spare ones a finished step left for the next takes."""
         held = [b for blocks in self._staging.values() for b in blocks]
         held += [b for blocks in self._staging_in_flight.values() for b in blocks]
+        held += self.blocks.spare_blocks()
         return held
 
     def _sync_request(self, request: Request) -> None:
