@@ -408,6 +408,10 @@ class HiSparseScheduling:
         self._unplaced.discard(request.request_id)
         self._note_host_backed(request.request_id)
         self.residency.finish(request.request_id)
+        if not self.residency.pages_by_state()[PageState.HOST]:
+            # Nothing stages any more: an idle engine holds no spare blocks (upstream's
+            # reset_prefix_cache needs every block free).
+            self.blocks.release_spare()
 
     def _note_host_backed(self, request_id: str) -> None:
         """The request's BOTH pages' sparse-MLA blocks (with their hashes), which its free
@@ -526,8 +530,12 @@ class HiSparseScheduling:
         if plan is not None:
             staging = self._staging_in_flight.pop(plan.step, None)
             if staging:
-                # Kept for later steps' takes (see `finish_step` and `relieve_pressure`).
-                self.blocks.keep_spare(staging)
+                # Kept for later steps' takes while some request has HOST pages (see
+                # `finish_step`, `release` and `relieve_pressure`).
+                if self.residency.pages_by_state()[PageState.HOST]:
+                    self.blocks.keep_spare(staging)
+                else:
+                    self.blocks.give_back(staging)
         counts = self.worker_counts
         for name, value in (getattr(output, "hisparse_counters", None) or {}).items():
             if name in counts:
