@@ -498,6 +498,45 @@ def test_a_finished_sessions_indexer_pages_outlive_pages_the_host_pool_already_h
     run_checked(h)
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "always"])
+def test_a_released_requests_host_backed_blocks_lead_the_eviction_order_under_pressure(model, mode):
+    """Under pressure, a released request's BOTH pages' sparse-MLA blocks go to the front of
+    the pool's eviction order once it is freed, in page order, ahead of its own uncached
+    blocks and every older cached block; each release under pressure is checked against the
+    free queue as upstream's free left it."""
+    h = harness(model, 3.5, hisparse_config(mode=mode), max_model_len=1024, max_num_batched_tokens=128)
+    hisparse = h.hisparse
+    expected: list[int] = []
+    checked = []
+    release, after_free = hisparse.release, hisparse.after_free
+
+    def recording_release(request):
+        req = hisparse.residency.requests.get(request.request_id)
+        pool = hisparse.blocks.pool_blocks()
+        expected[:] = [
+            b
+            for page in (req.pages if req is not None else ())
+            if page.state is PageState.BOTH
+            for b in page.block_ids
+            if pool[b].ref_cnt == 1
+        ]
+        release(request)
+
+    def checking_after_free():
+        before = hisparse.blocks_evicted_first
+        after_free()
+        if hisparse.blocks_evicted_first > before:
+            front = hisparse.blocks.free_queue_ids()[: len(expected)]
+            assert front == expected, f"the free queue starts {front}, not the released BOTH blocks {expected}"
+            checked.append(len(expected))
+
+    hisparse.release, hisparse.after_free = recording_release, checking_after_free
+    for i in range(5):
+        h.add_request(prompt(i, 400), max_tokens=150)
+    run_checked(h, max_steps=3000)
+    assert checked and all(checked), "no release under pressure moved its host-backed blocks"
+
+
 def test_a_device_prefix_hit_whose_pages_the_host_pool_holds_is_not_copied_again(model):
     """A session's next turn finds its history on the device (no pressure) and runs FULL.
     The host pool still holds the copies the first turn made: the hit's pages are BOTH at

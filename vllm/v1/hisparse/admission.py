@@ -277,15 +277,14 @@ class Admissions:
             if not pages:
                 return blocks, num_tokens
         record.host_pages = host_pages
-        aligned = []
-        for mla, other in pages:
-            page: list[KVCacheBlock] = [self.blocks.null_block] * (len(mla_ids) + len(other_ids))
-            for i, g in enumerate(mla_ids):
-                page[g] = mla[i] if mla is not None else self.blocks.null_block
-            for i, g in enumerate(other_ids):
-                page[g] = other[i]
-            aligned.append(page)
-        return self.blocks.with_pages(blocks, aligned), num_tokens + len(pages) * self.block_size
+        # The extension group by group: a HOST page is the null block in every sparse-MLA group.
+        null = self.blocks.null_block
+        columns: dict[int, list[KVCacheBlock]] = {}
+        for i, g in enumerate(mla_ids):
+            columns[g] = [mla[i] if mla is not None else null for mla, _ in pages]
+        for i, g in enumerate(other_ids):
+            columns[g] = [other[i] for _, other in pages]
+        return self.blocks.with_columns(blocks, columns), num_tokens + len(pages) * self.block_size
 
     def cap_external_hit(
         self,

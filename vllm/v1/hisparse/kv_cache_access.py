@@ -25,7 +25,7 @@ managers' own structures.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.v1.hisparse.plan import BlockId, BlockTableUpdate, PageIndex
@@ -161,19 +161,28 @@ class KVCacheBlockAccess:
         front = queue.fake_free_list_head.next_free_block
         return front is not None and front is not queue.fake_free_list_tail and front.block_hash is not None
 
-    def evict_first(self, blocks: Sequence[tuple[int, object]]) -> int:
-        """Move these freed, still cached blocks, (block id, its hash when recorded) each, to
-        the front of the pool's eviction order. A block since taken again or cached anew is
-        left where it is. How many moved."""
-        queue = self._pool.free_block_queue
-        moved = []
-        for block_id, block_hash in blocks:
-            block = self._pool.blocks[block_id]
-            if block.ref_cnt == 0 and block.block_hash == block_hash and block.prev_free_block is not None:
-                queue.remove(block)
-                moved.append(block)
-        queue.prepend_n(moved)
-        return len(moved)
+    def free_first(self, blocks: list[KVCacheBlock]) -> int:
+        """Drop one reference of each block (none of them deferred); those that lose their last
+        go to the front of the pool's eviction order, in this order: the host pool holds their
+        content. How many."""
+        freed = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                freed.append(block)
+        self._pool.free_block_queue.prepend_n(freed)
+        return len(freed)
+
+    def frees_uncached(self, request_id: str) -> bool:
+        """Whether freeing the request's blocks puts a block holding no prefix-cache entry at
+        the front of the eviction order (its partial last page, in some group)."""
+        for manager in self._groups:
+            table = manager.req_to_blocks.get(request_id)
+            if table:
+                last = table[-1]
+                if not last.is_null and last.block_hash is None and last.ref_cnt == 1:
+                    return True
+        return False
 
     # -- the prefix cache ----------------------------------------------------------
 
@@ -181,12 +190,12 @@ class KVCacheBlockAccess:
         """The device blocks of a page the prefix cache holds in every one of `group_ids`."""
         return self._pool.get_cached_block(block_hash, list(group_ids))
 
-    def with_pages(self, blocks: KVCacheBlocks, pages: Sequence[Sequence[KVCacheBlock]]) -> KVCacheBlocks:
-        """`blocks` with more pages appended, one block per KV cache group each."""
-        extended = [list(group) for group in blocks.blocks]
-        for page in pages:
-            for group, block in zip(extended, page, strict=True):
-                group.append(block)
+    def with_columns(
+        self, blocks: KVCacheBlocks, columns: Mapping[int, Sequence[KVCacheBlock]]
+    ) -> KVCacheBlocks:
+        """`blocks` with more pages appended, given group by group (`columns[g]` for group g;
+        every group has an entry, all of one length)."""
+        extended = [[*group, *columns[g]] for g, group in enumerate(blocks.blocks)]
         return self._manager.create_kv_cache_blocks(tuple(extended))
 
     def with_host_placeholders(self, blocks: KVCacheBlocks, num_pages: int) -> KVCacheBlocks:
@@ -204,6 +213,11 @@ class KVCacheBlockAccess:
     def num_table_pages(self, request_id: str) -> int:
         return len(self._mla[0].req_to_blocks.get(request_id, ()))
 
+    def page_columns(self, request_id: str, start: int) -> list[list[KVCacheBlock]]:
+        """The request's sparse-MLA table entries from page `start` on, one list per group:
+        `page_block_ids(request_id, start + i)` is every column's block i."""
+        return [m.req_to_blocks[request_id][start:] for m in self._mla]
+
     def page_block_ids(self, request_id: str, position: int) -> tuple[BlockId, ...]:
         """The request's blocks of one page, one per sparse-MLA group (the null block for HOST)."""
         return tuple(BlockId(m.req_to_blocks[request_id][position].block_id) for m in self._mla)
@@ -212,30 +226,38 @@ class KVCacheBlockAccess:
         """Pages of the request every sparse-MLA group has committed to the prefix cache."""
         return min(m.num_cached_block.get(request_id, 0) for m in self._mla)
 
-    def drop_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> int:
-        dropped = []
+    def take_out_pages(
+        self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]], *, record: bool = True
+    ) -> list[KVCacheBlock]:
+        """These pages, (page index, block per sparse-MLA group) each, leave the request's
+        block table for the null block (each change recorded for the plan unless `record` is
+        False: a released request's table goes with it). The blocks, whose references pass
+        to the caller, in page order."""
         null, null_id = self.null_block, self.null_block_id
-        tables = [(manager.req_to_blocks[request_id], group_id) for manager, group_id in zip(
-            self._mla, self.mla_group_ids, strict=True
-        )]  # fmt: skip
+        tables = [manager.req_to_blocks[request_id] for manager in self._mla]
+        taken = []
         for page_index, block_ids in pages:
-            for (table, group_id), block_id in zip(tables, block_ids, strict=True):
+            for table, group_id, block_id in zip(tables, self.mla_group_ids, block_ids, strict=True):
                 block = table[page_index]
                 assert block.block_id == block_id, (
                     f"{request_id} page {page_index}: table holds block {block.block_id}, "
                     f"residency {block_id}"
                 )
                 table[page_index] = null
-                dropped.append(block)
-                self.updates.append(BlockTableUpdate(request_id, group_id, PageIndex(page_index), null_id))
+                taken.append(block)
+                if record:
+                    update = BlockTableUpdate(request_id, group_id, PageIndex(page_index), null_id)
+                    self.updates.append(update)
+        return taken
+
+    def drop_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> int:
+        dropped = self.take_out_pages(request_id, pages)
         if not dropped:
             return 0
-        deferred = self.frees_are_deferred()
-        freed = self._free(dropped)
-        if not deferred:
-            # The host pool holds these pages: evicting them costs nothing it cannot give back.
-            self.evict_first([(b.block_id, b.block_hash) for b in dropped])
-        return freed
+        if self.frees_are_deferred():
+            return self._free(dropped)
+        # The host pool holds these pages: evicting them costs nothing it cannot give back.
+        return self.free_first(dropped)
 
     def fill_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Point the request's HOST pages (null entries) at these taken blocks, (page index,

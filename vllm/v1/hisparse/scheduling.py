@@ -59,6 +59,7 @@ from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
@@ -149,9 +150,9 @@ class HiSparseScheduling:
         self.staging_rows_leased = 0
         # Prefill chunks that restored their request's HOST pages instead of staging.
         self.prefill_restores = 0
-        # Sparse-MLA blocks of released requests' BOTH pages, for `after_free`; and how many
-        # were moved to the front of the eviction order.
-        self._host_backed: list[tuple[int, object]] = []
+        # A released request's host-backed sparse-MLA blocks, out of its table until upstream
+        # has freed the rest (`after_free`); and how many went first in the eviction order.
+        self._host_backed: list[KVCacheBlock] = []
         self.blocks_evicted_first = 0
         # Rows of the staging budget the pool could not spare (those chunks took more passes).
         self.staging_rows_short = 0
@@ -406,40 +407,53 @@ class HiSparseScheduling:
         self.admissions.release(request.request_id)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
-        self._note_host_backed(request.request_id)
+        self._evict_host_backed_first(request)
         self.residency.finish(request.request_id)
         if not self.residency.pages_by_state()[PageState.HOST]:
             # Nothing stages any more: an idle engine holds no spare blocks (upstream's
             # reset_prefix_cache needs every block free).
             self.blocks.release_spare()
 
-    def _note_host_backed(self, request_id: str) -> None:
-        """The request's BOTH pages' sparse-MLA blocks (with their hashes), which its free
-        is about to put into the prefix cache: the host pool holds their content too."""
-        req = self.residency.requests.get(request_id)
+    def _evict_host_backed_first(self, request: Request) -> None:
+        """Under pressure, before an immediate free of a released request: its BOTH pages'
+        sparse-MLA blocks go to the front of the pool's eviction order (the host pool holds
+        their content), ahead of every other cached block. A session's indexer pages, which
+        exist nowhere else, then outlive them, and its next turn starts from the host pool
+        instead of recomputing. Without pressure the LRU order stands, for a next turn that
+        finds its whole history on the device."""
+        req = self.residency.requests.get(request.request_id)
         if req is None or not req.num_both_pages or not self.enable_caching:
             return
-        pool = self.blocks.pool_blocks()
-        for page in req.pages:
-            if page.state is PageState.BOTH:
-                assert page.block_ids is not None
-                self._host_backed.extend((b, pool[b].block_hash) for b in page.block_ids)
+        scheduler = self.scheduler
+        if scheduler.defer_block_free and request.last_sched_seq > scheduler.processed_step_seq:
+            return  # upstream defers this free to the step in flight's fence
+        # The device stays under pressure after this free (as `under_pressure` would read it
+        # then): other requests' pages live only in the host pool, or the pool's next free
+        # block is a prefix-cache entry and this free puts no uncached block before it.
+        others_host = self.residency.pages_by_state()[PageState.HOST] - req.num_host_pages
+        if not (
+            others_host > 0
+            or (self.blocks.front_is_cached() and not self.blocks.frees_uncached(request.request_id))
+        ):
+            return
+        pages = [
+            (index, page.block_ids)
+            for index, page in enumerate(req.pages)
+            if page.block_ids is not None and page.state is PageState.BOTH
+        ]
+        self._host_backed += self.blocks.take_out_pages(request.request_id, pages, record=False)
+
+    def after_free(self) -> None:
+        """Right after upstream freed a released request's blocks: the host-backed ones taken
+        out of its table go to the front of the eviction order."""
+        if self._host_backed:
+            self.blocks_evicted_first += self.blocks.free_first(self._host_backed)
+            self._host_backed = []
 
     def under_pressure(self) -> bool:
         """Whether the device is short of blocks: pages live only in the host pool (relief
         demoted them, or mode "always" does), or allocations already evict cached blocks."""
         return self.residency.pages_by_state()[PageState.HOST] > 0 or self.blocks.front_is_cached()
-
-    def after_free(self) -> None:
-        """After a released request's blocks went back to the pool, under pressure: its
-        host-backed sparse-MLA blocks are evicted before any other cached block (a
-        session's indexer pages, which exist nowhere else, then outlive them, and its next
-        turn starts from the host pool instead of recomputing). Without pressure they stay
-        in LRU order, for a next turn that finds its whole history on the device."""
-        if self._host_backed:
-            if self.under_pressure():
-                self.blocks_evicted_first += self.blocks.evict_first(self._host_backed)
-            self._host_backed.clear()
 
     def has_pending_work(self) -> bool:
         """Copies in flight whose reports only later steps collect, or spare staging blocks
@@ -644,7 +658,9 @@ class HiSparseScheduling:
                 residency.append_host_pages(request_id, list(run), lease, imported=run_imported)
                 run.clear()
 
-        for position in range(len(req.pages), self.blocks.num_table_pages(request_id)):
+        start, end = len(req.pages), self.blocks.num_table_pages(request_id)
+        columns = self.blocks.page_columns(request_id, start)
+        for position in range(start, end):
             if position in record.host_pages:
                 imported = position in record.landed
                 if run and imported != run_imported:
@@ -653,7 +669,7 @@ class HiSparseScheduling:
                 run.append(record.host_pages.pop(PageIndex(position)))
                 continue
             pass_run()
-            block_ids = self.blocks.page_block_ids(request_id, position)
+            block_ids = tuple(BlockId(column[position - start].block_id) for column in columns)
             if position in record.restores:
                 residency.append_restored_page(
                     request_id, block_ids, record.restores.pop(PageIndex(position))
