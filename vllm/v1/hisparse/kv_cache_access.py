@@ -121,9 +121,8 @@ class KVCacheBlockAccess:
         return [self._pool.blocks[b] for b in block_ids]
 
     def take(self, num_blocks: int) -> list[BlockId]:
-        """`num_blocks` new blocks, none of them guarded: spare ones first, then the pool's.
-        While it takes from the pool, guarded free blocks are held out of the free queue
-        (they return to its LRU end)."""
+        """`num_blocks` new blocks, none of them guarded: spare ones first, then the pool's
+        (`_guarded_ahead`)."""
         spare = self._spare
         if spare:
             n = min(num_blocks, len(spare))
@@ -135,7 +134,7 @@ class KVCacheBlockAccess:
         return self._take_from_pool(num_blocks)
 
     def _take_from_pool(self, num_blocks: int) -> list[BlockId]:
-        guarded = self._guarded_free()
+        guarded = self._guarded_ahead(num_blocks)
         if not guarded:
             return [BlockId(b.block_id) for b in self._pool.get_new_blocks(num_blocks)]
         self._pool.touch(guarded)
@@ -143,6 +142,25 @@ class KVCacheBlockAccess:
             return [BlockId(b.block_id) for b in self._pool.get_new_blocks(num_blocks)]
         finally:
             self._pool.free_blocks(guarded)
+
+    def _guarded_ahead(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The guarded free blocks an allocation of `num_blocks` would reach: those before the
+        `num_blocks`-th unguarded block of the free queue. They are held out of the queue while
+        it allocates (and return to its LRU end); the guarded blocks beyond keep their place."""
+        guarded_ids = {b.block_id for b in self._guarded() if b.ref_cnt == 0}
+        if not guarded_ids:
+            return []
+        queue = self._pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        block = queue.fake_free_list_head.next_free_block
+        ahead = []
+        while num_blocks > 0 and block is not None and block is not tail:
+            if block.block_id in guarded_ids:
+                ahead.append(block)
+            else:
+                num_blocks -= 1
+            block = block.next_free_block
+        return ahead
 
     def give_back(self, block_ids: Sequence[int]) -> None:
         self._free(self._blocks(block_ids))
