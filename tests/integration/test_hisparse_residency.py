@@ -527,7 +527,7 @@ def test_a_released_requests_host_backed_blocks_lead_the_eviction_order_under_pr
         after_free()
         if hisparse.blocks_evicted_first > before:
             front = hisparse.blocks.free_queue_ids()[: len(expected)]
-            assert front == expected, f"the free queue starts {front}, not the released BOTH blocks {expected}"
+            assert front == expected, f"the free queue starts {front}, not the released BOTH blocks"
             checked.append(len(expected))
 
     hisparse.release, hisparse.after_free = recording_release, checking_after_free
@@ -675,3 +675,24 @@ def test_consecutive_staged_chunks_reuse_the_staging_blocks_without_the_pool(mod
         f"staging took {sum(staging_pops)} blocks from the pool for {sum(staged_steps)} staged: {staged}"
     )
     assert not hisparse.blocks.num_spare() and h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+
+
+def test_a_take_skips_the_guarded_blocks_it_reaches_and_leaves_the_others_in_place(model):
+    """Blocks a pending admission guards are never taken. A take holds out of the free queue
+    only the guarded blocks before its last block (they go back as upstream frees them);
+    guarded blocks further back keep their place in the eviction order."""
+    h = harness(model, 64)
+    blocks = h.hisparse.blocks
+    queue = blocks.free_queue_ids()
+    pool = blocks.pool_blocks()
+    guarded = [pool[queue[0]], pool[queue[2]], pool[queue[40]]]
+    blocks.guard_with(lambda: guarded)
+    taken = blocks.take(5)
+    assert taken == [queue[1], *queue[3:7]], "the front's unguarded blocks, in order"
+    after = blocks.free_queue_ids()
+    assert {queue[0], queue[2]} <= set(after), "the guarded blocks it reached are free again"
+    at = after.index(queue[40])
+    assert after[at - 1 : at + 2] == queue[39:42], "a guarded block it did not reach kept its place"
+    blocks.give_back(taken)
+    blocks.guard_with(tuple)
+    assert sorted(blocks.free_queue_ids()) == sorted(queue)
