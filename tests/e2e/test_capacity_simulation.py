@@ -173,7 +173,7 @@ def simulate_cli(*args: str, timeout: int = 600) -> dict:
         capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(done.stdout[done.stdout.index("{") :])
+    return json.loads(done.stdout)  # one JSON document on stdout, vLLM's log lines on stderr
 
 
 REQUIRED_FIELDS = (
@@ -210,3 +210,21 @@ def test_a_million_token_session_runs_under_hybrid_and_cannot_start_without_hisp
     hybrid = records["hybrid"]
     assert hybrid["started"] and not hybrid["stalled"]
     assert hybrid["long_sessions_completed"] == 1 and hybrid["sessions_completed"] == 2
+
+
+@pytest.mark.parametrize(
+    "module, command",
+    [("vllm.v1.hisparse.capacity", ["plan"]), ("vllm.v1.hisparse.planner", [])],
+    ids=["capacity plan", "planner"],
+)
+def test_the_planners_json_is_the_whole_of_its_stdout(module, command):
+    """vLLM logs to stdout by default (its import-time notices included): with `--format
+    json`, stdout must still be one JSON document a pipe can parse, the log lines on stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *command, "--model", "glm-5.3", "-tp", "8", "--gpu-memory-gib", "141",
+         "--attention-config", '{"hisparse_config":{"host_pool_gib":384}}', "--format", "json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads(done.stdout)
+    assert plan and "Triton" not in done.stdout

@@ -6,6 +6,9 @@ runs `python -m vllm.v1.hisparse.capacity plan`, and importing this module gives
 import sys
 
 if __name__ == "__main__":
+    from vllm.v1.hisparse.capacity.__main__ import logs_to_stderr
+
+    logs_to_stderr()  # before the planner's imports log anything
     from vllm.v1.hisparse.capacity.planner import main
 
     sys.exit(main())
