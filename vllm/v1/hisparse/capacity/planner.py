@@ -1334,9 +1334,7 @@ def argument_parser() -> argparse.ArgumentParser:
         "limit)",
     )
     parser.add_argument("--format", choices=("text", "markdown", "json"), default="text")
-    parser.add_argument(
-        "--output", type=Path, help="write the report to this file (vLLM logs its import to stdout)"
-    )
+    parser.add_argument("--output", type=Path, help="write the report to this file instead of stdout")
     return parser
 
 

@@ -706,6 +706,13 @@ def simulate(
     tasks = []
     for workload, concurrencies in runs:
         max_model_len = workload.max_model_len(request.max_model_len or request.session_tokens)
+        if workload.session_tokens() > max_model_len:
+            raise planner.PlannerError(
+                f"a session of the {workload.name} workload reaches {workload.session_tokens():,} tokens "
+                f"by the end of its last turn ({workload.turns} turns), more than max_model_len "
+                f"{max_model_len:,}: vLLM would cut its last turns short. Give fewer --turns, or a "
+                "larger --max-model-len (or --session-tokens)"
+            )
         if max_model_len not in plans:
             plans[max_model_len] = plan_configurations(
                 dataclasses.replace(request, max_model_len=max_model_len)
