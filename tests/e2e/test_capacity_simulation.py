@@ -27,7 +27,13 @@ from engine import offloading_connector as connector_flag
 from engine import running_llm
 
 from vllm.v1.hisparse.capacity import planner
-from vllm.v1.hisparse.capacity.simulate import Simulation, StepAccounting, Workload, load_constants
+from vllm.v1.hisparse.capacity.simulate import (
+    Simulation,
+    StepAccounting,
+    Workload,
+    load_constants,
+    simulate,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "tiny-models"
@@ -165,6 +171,67 @@ def test_the_simulator_schedules_the_bench_workload_as_the_real_engine_does(mode
         assert real["pages_demoted"] > 0, "the workload puts hybrid under pressure"
     if config == "preemption":
         assert real["preemptions"] > 0 or real["recomputed_prompt_tokens"] > 0, "under pressure"
+
+
+# Sixteen of the bench's sessions against a 32 MiB connector tier and a 1 GiB pool: the
+# histories' indexer keys outgrow the tier, and each comes back once per turn, in turn.
+CYCLING_SESSIONS = 16
+CYCLING_TIER_BYTES = 32 << 20
+
+
+def recomputed_tokens_beside_a_cycling_tier(model: Path, tier_settings: dict) -> tuple[int, int]:
+    """(recomputed, new) prompt tokens of hybrid on `CYCLING_SESSIONS` bench sessions."""
+    tier = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": CYCLING_TIER_BYTES, **tier_settings}
+    kv_transfer = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": tier,
+    }
+    request = planner.PlanRequest(
+        model=str(model), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES,
+        hisparse_config={"host_pool_gib": 1.0},
+        kv_transfer_config=planner.offloading_connector_config(kv_transfer),
+        offload_baseline_bytes=CYCLING_TIER_BYTES, max_num_batched_tokens=BATCHED_TOKENS,
+        session_tokens=MAX_MODEL_LEN,
+    )  # fmt: skip
+    constants = {**load_constants(None), **INSTANT_LINKS}
+    configuration = planner.plan(request).configuration("hybrid")
+    record = Simulation("hybrid", configuration, BENCH, CYCLING_SESSIONS, constants, None).run()
+    assert record.started and not record.stalled and record.sessions_completed == CYCLING_SESSIONS, record
+    return record.recomputed_prompt_tokens, record.new_prompt_tokens
+
+
+def test_beside_hisparse_the_connector_tier_keeps_histories_that_come_back_in_turn(model):
+    """More sessions than the connector's tier holds histories of: under LRU each history
+    is evicted just before its turn comes back, and most of what the sessions send is
+    computed again. The tier as the announcement's flags give it (no eviction policy named)
+    keeps the histories it has read back, and recomputes less than half as much."""
+    lru, new = recomputed_tokens_beside_a_cycling_tier(model, {"eviction_policy": "lru"})
+    assert lru > new / 2, "the histories outgrow the tier: LRU recomputes most of them"
+    default, same_new = recomputed_tokens_beside_a_cycling_tier(model, {})
+    assert same_new == new
+    print({"recomputed with lru": lru, "recomputed by default": default, "new prompt tokens": new})
+    assert default < lru / 2
+
+
+def test_sessions_that_outgrow_max_model_len_are_refused_before_anything_runs(model):
+    """The bench's sessions at five turns end at 2,010 tokens, past max_model_len 1,984: the
+    last turns could not be scheduled whole. The simulation says so and how to fix it,
+    instead of running until the scheduler has nothing it can schedule."""
+    request = planner.PlanRequest(
+        model=str(model), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES,
+        hisparse_config={"host_pool_gib": HOST_POOL_GIB}, max_num_batched_tokens=BATCHED_TOKENS,
+        session_tokens=MAX_MODEL_LEN,
+    )  # fmt: skip
+    five_turns = dataclasses.replace(BENCH, turns=5)
+    assert five_turns.session_tokens() == 2010
+    with pytest.raises(planner.PlannerError) as refused:
+        simulate(request, [(five_turns, [2])], ["hybrid"])
+    message = str(refused.value)
+    for named in ("2,010 tokens", "5 turns", "max_model_len 1,984", "--turns", "--max-model-len"):
+        assert named in message, (named, message)
+    ran = simulate(request, [(BENCH, [2])], ["hybrid"])  # four turns end at 1,975 tokens
+    assert not ran["records"][0]["stalled"] and ran["records"][0]["sessions_completed"] == 2
 
 
 def simulate_cli(*args: str, timeout: int = 600) -> dict:
