@@ -442,7 +442,8 @@ def test_vllm_030s_hisparse_connector_is_read_as_hisparse_config(tiny_glm_dsa_di
                     "kv_connector_extra_config": {"connectors": [hisparse, offload]}})  # fmt: skip
     assert multi.attention_config.hisparse_config.host_pool_gib == 2
     assert multi.kv_transfer_config.kv_connector == "OffloadingConnector"
-    assert multi.kv_transfer_config.kv_connector_extra_config == {"cpu_bytes_to_use": 1 << 30}
+    assert multi.kv_transfer_config.kv_connector_extra_config == {
+        "cpu_bytes_to_use": 1 << 30, "eviction_policy": "arc"}  # fmt: skip
     assert multi.kv_transfer_config.kv_role == "kv_both"
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}  # fmt: skip
@@ -458,3 +459,44 @@ def test_vllm_030s_hisparse_connector_is_read_as_hisparse_config(tiny_glm_dsa_di
     assert "host_pool_gib=2" in str(refused.value) and "host_pool_gib=8.0" in str(refused.value)
     with pytest.raises(ValueError, match="unknown key 'pool_size'"):
         config({**hisparse, "kv_connector_extra_config": {"host_pool_gib": 2, "pool_size": 3}})
+
+
+def test_an_offloading_tier_beside_hisparse_evicts_with_arc_unless_it_names_its_policy(tiny_glm_dsa_dir):
+    """Beside HiSparse the OffloadingConnector's tier holds session histories' indexer keys,
+    read back once per turn, in turn, which LRU evicts just before they are read (see
+    HISTORY_TIER_EVICTION_POLICY): a tier that names no eviction policy, alone or inside a
+    MultiConnector, gets ARC, and says so; one that names its own, or a tier without
+    HiSparse, keeps what it has. The caller's dicts are left as they were."""
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}  # fmt: skip
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}  # fmt: skip
+    multi = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [offload, example]}}  # fmt: skip
+    as_given = json.dumps([offload, example, multi])
+
+    def tier_settings(transfer, hisparse=True):
+        config = EngineArgs(
+            model=str(tiny_glm_dsa_dir), skip_tokenizer_init=True, kv_transfer_config=transfer,
+            attention_config={"hisparse_config": {"host_pool_gib": 1}} if hisparse else {},
+        ).create_engine_config()  # fmt: skip
+        return config.kv_transfer_config.kv_connector_extra_config
+
+    records = _Records()
+    logger = logging.getLogger("vllm.config.hisparse")
+    logger.addHandler(records)
+    try:
+        alone = tier_settings(offload)
+    finally:
+        logger.removeHandler(records)
+    assert alone == {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "arc"}
+    assert any("evicts with 'arc'" in m and "eviction_policy" in m for m in records.messages), (
+        records.messages
+    )
+    inside = tier_settings(multi)["connectors"]
+    assert inside[0]["kv_connector_extra_config"]["eviction_policy"] == "arc"
+    assert inside[1] == example, "another connector's settings are its own"
+    named = {**offload, "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "lru"}}
+    assert tier_settings(named)["eviction_policy"] == "lru"
+    assert "eviction_policy" not in tier_settings(offload, hisparse=False), "without HiSparse: upstream's"
+    assert json.dumps([offload, example, multi]) == as_given

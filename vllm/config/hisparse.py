@@ -66,6 +66,13 @@ RESOLVING_CUDA_MAJORS = (9, 10)
 # indexer group, see vllm/v1/hisparse/kv_grouping.py). Other draft models would
 # read demoted pages through their own, unwired, attention layers.
 SUPPORTED_SPECULATIVE_METHODS = ("ngram", "suffix", "mtp")
+# Eviction policy of an OffloadingConnector tier that sets none, with HiSparse on. The
+# tier then holds the indexer keys (and an MTP drafter's layers) of session histories,
+# each read back once per turn, in turn: once the histories outgrow it, LRU evicts each
+# one just before its next turn, and every turn recomputes its history. ARC keeps the
+# blocks read back at least once apart from the stream of new ones (vLLM's CPU and
+# tiering specs implement both; eviction_policy in kv_connector_extra_config chooses).
+HISTORY_TIER_EVICTION_POLICY = "arc"
 
 
 @config
@@ -264,18 +271,66 @@ def _cpu_bytes(extra: Any) -> int:
 def _offload_tier_bytes(transfer: Any) -> int:
     """Bytes of host memory an OffloadingConnector in `transfer` (alone or inside a
     MultiConnector) maps in /dev/shm: its cpu_bytes_to_use."""
+    return sum(_cpu_bytes(settings) for settings in offloading_tier_settings(transfer))
+
+
+def offloading_tier_settings(transfer: Any) -> list[Any]:
+    """The kv_connector_extra_config of each OffloadingConnector in `transfer`, alone or
+    inside a MultiConnector (read only)."""
     if transfer is None:
-        return 0
+        return []
     extra = transfer.kv_connector_extra_config or {}
     if transfer.kv_connector == "OffloadingConnector":
-        return _cpu_bytes(extra)
-    if transfer.kv_connector == "MultiConnector":
-        return sum(
-            _cpu_bytes(sub.get("kv_connector_extra_config"))
-            for sub in extra.get("connectors") or ()
-            if isinstance(sub, dict) and sub.get("kv_connector") == "OffloadingConnector"
+        return [extra]
+    if transfer.kv_connector != "MultiConnector":
+        return []
+    return [
+        sub.get("kv_connector_extra_config") or {}
+        for sub in extra.get("connectors") or ()
+        if isinstance(sub, dict) and sub.get("kv_connector") == "OffloadingConnector"
+    ]
+
+
+def _with_history_tier_policy(connector: dict[str, Any]) -> dict[str, Any]:
+    """One connector's settings (a copy) with `HISTORY_TIER_EVICTION_POLICY` where it is an
+    OffloadingConnector that names no eviction policy."""
+    extra = connector.get("kv_connector_extra_config") or {}
+    if connector.get("kv_connector") != "OffloadingConnector" or "eviction_policy" in extra:
+        return connector
+    return {
+        **connector,
+        "kv_connector_extra_config": {**extra, "eviction_policy": HISTORY_TIER_EVICTION_POLICY},
+    }
+
+
+def choose_history_tier_policy(vllm_config: VllmConfig) -> None:
+    """An OffloadingConnector tier beside HiSparse (alone or inside a MultiConnector) that
+    names no eviction policy gets `HISTORY_TIER_EVICTION_POLICY` (see there); one that names
+    its own keeps it. The caller's dicts are not changed."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None:
+        return
+    extra = dict(transfer.kv_connector_extra_config or {})
+    if transfer.kv_connector == "OffloadingConnector":
+        chosen = _with_history_tier_policy(
+            {"kv_connector": transfer.kv_connector, "kv_connector_extra_config": extra}
         )
-    return 0
+        extra = chosen["kv_connector_extra_config"]
+    elif transfer.kv_connector == "MultiConnector" and extra.get("connectors"):
+        extra["connectors"] = [
+            _with_history_tier_policy(sub) if isinstance(sub, dict) else sub for sub in extra["connectors"]
+        ]
+    else:
+        return
+    if extra == (transfer.kv_connector_extra_config or {}):
+        return
+    transfer.kv_connector_extra_config = extra
+    logger.info(
+        "Hybrid HiSparse: the OffloadingConnector's tier holds session histories' indexer keys, "
+        "read back once per turn; it evicts with %r (set eviction_policy in "
+        "kv_connector_extra_config to choose another).",
+        HISTORY_TIER_EVICTION_POLICY,
+    )
 
 
 def shared_memory_needs(vllm_config: VllmConfig) -> list[tuple[str, int]]:
@@ -487,6 +542,7 @@ def verify_hisparse_config(vllm_config: VllmConfig) -> None:
         )
     if plans_executable():
         check_shared_memory(vllm_config)
+        choose_history_tier_policy(vllm_config)
         # Groups with different page sizes overlay each block's bytes only in a
         # block-outermost layout (see vllm/v1/hisparse/kv_grouping.py).
         vllm_config.cache_config.kv_cache_layout = HISPARSE_KV_CACHE_LAYOUT
