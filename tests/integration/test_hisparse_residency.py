@@ -158,7 +158,7 @@ def test_demotion_plans_null_block_updates_and_host_page_deltas_for_the_resolver
         plan = observation.hisparse_plan
         assert plan.version == HISPARSE_PLAN_VERSION and plan.mla_group_ids == tuple(range(MLA_GROUPS))
         for update in plan.block_table_updates:
-            assert update.block_id == NULL_BLOCK_ID and update.group_id in plan.mla_group_ids
+            assert update.block_ids == (NULL_BLOCK_ID,) * len(plan.mla_group_ids)
         for lease in plan.leases:
             assert lease.request_id not in leased, "a lease crosses once"
             leased.add(lease.request_id)
@@ -586,8 +586,8 @@ def test_a_chunk_restores_its_host_pages_when_the_pool_has_room_for_them(model):
     assert updates[-len(host) :] == [dataclasses.replace(u, host_page=-1) for u in updates[-len(host) :]], (
         "the workers' map drops them, after the demotion that put them there"
     )
-    points = {(u.group_id, u.position): u.block_id for u in o.hisparse_plan.block_table_updates}
-    assert all(points[(g, i)] == tables[g][i] for i in host for g in range(MLA_GROUPS))
+    points = {u.position: u.block_ids for u in o.hisparse_plan.block_table_updates}
+    assert all(points[i] == tuple(tables[g][i] for g in range(MLA_GROUPS)) for i in host)
     assert not req.hot_blocks and o.hisparse_stats["hot_lease_blocks"] == 0, "its lease went back"
     assert o.hisparse_stats["prefill_restores"] == 1
     assert o.hisparse_stats["pages_restored_for_prefill"] == len(host)

@@ -7,9 +7,9 @@ pool, the block tables and the prefix cache, and every change HiSparse makes to
 them, goes through this class. Hot leases and staging are ordinary pool blocks
 taken and given back; a demoted page leaves the request's block table for the
 null block in every sparse-MLA group, and each such change is recorded as a
-`BlockTableUpdate` for the step's plan. Blocks HiSparse takes never include a
-guarded block (a pending admission's prefix hit, `guard_with`), and the free
-blocks it counts leave those out.
+`BlockTableUpdate` (one per page, every group's entry) for the step's plan.
+Blocks HiSparse takes never include a guarded block (a pending admission's
+prefix hit, `guard_with`), and the free blocks it counts leave those out.
 
 Frees follow upstream's fence: when the scheduler defers frees (a KV consumer
 connector with more than one batch in flight), a block whose last reference
@@ -50,6 +50,8 @@ class KVCacheBlockAccess:
         self.other_group_ids = tuple(other_group_ids)
         self.null_block = self._pool.null_block
         self.null_block_id = BlockId(self.null_block.block_id)
+        # A demoted page's entries, one per sparse-MLA group.
+        self._null_ids = (self.null_block_id,) * len(self.mla_group_ids)
         self.use_eagle = kv_cache_manager.use_eagle
         self.updates: list[BlockTableUpdate] = []
         self._scheduler: Scheduler | None = None
@@ -248,24 +250,23 @@ class KVCacheBlockAccess:
         self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]], *, record: bool = True
     ) -> list[KVCacheBlock]:
         """These pages, (page index, block per sparse-MLA group) each, leave the request's
-        block table for the null block (each change recorded for the plan unless `record` is
-        False: a released request's table goes with it). The blocks, whose references pass
-        to the caller, in page order."""
-        null, null_id = self.null_block, self.null_block_id
+        block table for the null block (each page's change recorded for the plan unless
+        `record` is False: a released request's table goes with it). The blocks, whose
+        references pass to the caller, in page order."""
+        null, nulls = self.null_block, self._null_ids
         tables = [manager.req_to_blocks[request_id] for manager in self._mla]
-        taken = []
+        taken: list[KVCacheBlock] = []
         for page_index, block_ids in pages:
-            for table, group_id, block_id in zip(tables, self.mla_group_ids, block_ids, strict=True):
-                block = table[page_index]
-                assert block.block_id == block_id, (
-                    f"{request_id} page {page_index}: table holds block {block.block_id}, "
-                    f"residency {block_id}"
-                )
+            row = [table[page_index] for table in tables]
+            assert [block.block_id for block in row] == list(block_ids), (
+                f"{request_id} page {page_index}: table holds {[b.block_id for b in row]}, "
+                f"residency {list(block_ids)}"
+            )
+            for table in tables:
                 table[page_index] = null
-                taken.append(block)
-                if record:
-                    update = BlockTableUpdate(request_id, group_id, PageIndex(page_index), null_id)
-                    self.updates.append(update)
+            taken += row
+            if record:
+                self.updates.append(BlockTableUpdate(request_id, PageIndex(page_index), nulls))
         return taken
 
     def drop_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> int:
@@ -280,15 +281,15 @@ class KVCacheBlockAccess:
     def fill_pages(self, request_id: str, pages: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Point the request's HOST pages (null entries) at these taken blocks, (page index,
         block per sparse-MLA group) each: the table's reference becomes the blocks' own."""
-        for column, (manager, group_id) in enumerate(zip(self._mla, self.mla_group_ids, strict=True)):
-            table = manager.req_to_blocks[request_id]
-            for page_index, block_ids in pages:
+        tables = [manager.req_to_blocks[request_id] for manager in self._mla]
+        pool_blocks = self._pool.blocks
+        for page_index, block_ids in pages:
+            for table, block_id in zip(tables, block_ids, strict=True):
                 assert table[page_index].is_null, f"{request_id} page {page_index} is not a HOST page"
-                block_id = block_ids[column]
-                table[page_index] = self._pool.blocks[block_id]
-                self.updates.append(
-                    BlockTableUpdate(request_id, group_id, PageIndex(page_index), BlockId(block_id))
-                )
+                table[page_index] = pool_blocks[block_id]
+            self.updates.append(
+                BlockTableUpdate(request_id, PageIndex(page_index), tuple(BlockId(b) for b in block_ids))
+            )
 
     # -- what the ownership check reads ----------------------------------------------
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 6
+HISPARSE_PLAN_VERSION = 7
 
 # The ids that cross between scheduler and workers, typed so that a block id, a host
 # page and a page index cannot be passed one for another.
@@ -77,12 +77,13 @@ class PageCopy:
 
 @dataclass(frozen=True)
 class BlockTableUpdate:
-    """Set one entry of a request's block table on the worker (tables are otherwise append-only)."""
+    """Set one page's entries of a request's block tables on the worker, one in each
+    sparse-MLA group's table (tables are otherwise append-only)."""
 
     request_id: str
-    group_id: int
-    position: PageIndex  # block index in the request's table for that group
-    block_id: BlockId  # the null block for a demoted page
+    position: PageIndex  # the page's block index in the request's tables
+    # One per sparse-MLA group, in the plan's group order; null blocks for a demoted page.
+    block_ids: tuple[BlockId, ...]
 
 
 @dataclass(frozen=True)

@@ -254,11 +254,13 @@ class HiSparseWorker:
     def _update_block_tables(self, plan: HiSparseStepPlan) -> None:
         runner = self.runner
         touched: set[str] = set()
+        groups = plan.mla_group_ids
         for update in plan.block_table_updates:
             state = runner.requests.get(update.request_id)
             if state is None:
                 continue  # ended before this step
-            state.block_ids[update.group_id][update.position] = update.block_id
+            for group_id, block_id in zip(groups, update.block_ids, strict=True):
+                state.block_ids[group_id][update.position] = block_id
             touched.add(update.request_id)
         batch = runner.input_batch
         for rid in touched:
