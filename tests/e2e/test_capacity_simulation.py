@@ -214,6 +214,49 @@ def test_beside_hisparse_the_connector_tier_keeps_histories_that_come_back_in_tu
     assert default < lru / 2
 
 
+def test_a_finished_sessions_history_stays_on_the_device_while_new_turns_wait(model, monkeypatch):
+    """Eight sessions whose indexer histories outgrow an 8 MiB connector tier. Without held
+    histories, each new turn's allocation evicts the cached indexer pages of the sessions
+    that wait for their next turn, and every turn recomputes its history (more prompt
+    tokens than the sessions send). Held under pressure, a history yields only to a
+    running request that demotion cannot make room for; a new turn waits for room
+    instead, and the histories come back from the device and the host pool."""
+    from vllm.v1.hisparse.histories import HeldHistories
+
+    def recomputed(tier_bytes: int) -> tuple[int, int, int]:
+        tier = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": tier_bytes}
+        kv_transfer = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": tier,
+        }
+        request = planner.PlanRequest(
+            model=str(model), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_BYTES,
+            hisparse_config={"host_pool_gib": 1.0},
+            kv_transfer_config=planner.offloading_connector_config(kv_transfer),
+            offload_baseline_bytes=tier_bytes, max_num_batched_tokens=BATCHED_TOKENS,
+            session_tokens=MAX_MODEL_LEN,
+        )  # fmt: skip
+        constants = {**load_constants(None), **INSTANT_LINKS}
+        simulation = Simulation(
+            "hybrid", planner.plan(request).configuration("hybrid"), BENCH, 8, constants, None
+        )
+        record = simulation.run()
+        assert record.started and not record.stalled and record.sessions_completed == 8, record
+        held = simulation.hisparse.histories.blocks_held
+        return record.recomputed_prompt_tokens, record.new_prompt_tokens, held
+
+    held_default, new, held = recomputed(8 << 20)
+    assert held > 0, "turns ended under pressure: their histories were held"
+    with monkeypatch.context() as m:
+        m.setattr(HeldHistories, "hold", lambda self, request_id, block_ids: None)  # nothing held
+        not_held, same_new, none = recomputed(8 << 20)
+    assert same_new == new and none == 0
+    print({"recomputed, histories held": held_default, "recomputed, none held": not_held, "new": new})
+    assert not_held > new, "without held histories every turn recomputes its history"
+    assert held_default < new / 10
+
+
 def test_sessions_that_outgrow_max_model_len_are_refused_before_anything_runs(model):
     """The bench's sessions at five turns end at 2,010 tokens, past max_model_len 1,984: the
     last turns could not be scheduled whole. The simulation says so and how to fix it,

@@ -327,6 +327,21 @@ def test_the_ownership_check_sees_a_reference_nobody_holds(model):
         h.hisparse.check_ownership()
 
 
+def test_the_ownership_check_sees_a_held_history_block_that_is_also_leased(model):
+    """A finished session's held history block (histories.py) handed out as a hot lease
+    too: two holders of one reference."""
+    h = pressured(model)
+    req = next(r for r in h.hisparse.residency.requests.values() if r.hot_blocks)
+    leased = req.hot_blocks[0]
+    h.hisparse.histories._holder[leased] = "an ended turn"
+    h.hisparse.histories._by_request["an ended turn"] = {leased: None}
+    with pytest.raises(OwnershipError, match=f"block {leased} is leased or staged and also held"):
+        h.hisparse.check_ownership()
+    h.hisparse.blocks.hold([leased])  # the history's own reference, as `hold` takes it
+    with pytest.raises(OwnershipError, match=f"block {leased} is leased or staged and also held"):
+        h.hisparse.check_ownership()
+
+
 def offloading_harness(model: str, engine_id: str, report_delay: int) -> SchedulerHarness:
     """HiSparse with the OffloadingConnector (a 32 MiB CPU tier) in a 20 MiB device pool."""
     transfer = KVTransferConfig(

@@ -54,7 +54,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def check_block_accounting(h: SchedulerHarness) -> None:
     """Every block reference is owned once: block tables, hot leases, held copies, staging
-    (a plan's in flight, or spare for the next step's takes)."""
+    (a plan's in flight, or spare for the next step's takes), held histories."""
     expected: Counter[int] = Counter()
     managers = h.kv_cache_manager.coordinator.single_type_managers
     for manager in managers:
@@ -64,6 +64,7 @@ def check_block_accounting(h: SchedulerHarness) -> None:
     expected.update(residency.leased_blocks())
     expected.update(residency.held_blocks())
     expected.update(h.hisparse.staging_blocks())
+    expected.update(h.hisparse.histories.held_references())
     for block in h.block_pool.blocks:
         if block.is_null:
             continue

@@ -91,6 +91,7 @@ class Admissions:
         lease_blocks_for: Callable[[Request], int],
         plans_issued: Callable[[], bool],
         hit_chunk_tokens: int | None = None,
+        release_histories: Callable[[int], int] = lambda num_blocks: 0,
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -100,6 +101,8 @@ class Admissions:
         self.import_kind = import_kind
         self._lease_blocks_for = lease_blocks_for
         self._plans_issued = plans_issued
+        # Gives back held histories (oldest first) until this many blocks are free.
+        self._release_histories = release_histories
         # A connector hit may be cut at multiples of this many tokens (None: all or nothing).
         self.hit_chunk_tokens = hit_chunk_tokens
         self._records: dict[str, PendingAdmission] = {}
@@ -212,6 +215,8 @@ class Admissions:
             short = num_blocks - self.blocks.num_free_blocks()
             protected = self.hit_block_ids()
             if self.residency.relieve_pressure(short, protected_blocks=protected) > 0:
+                lease = self.residency.lease(num_blocks)
+            if not lease and self._release_histories(num_blocks - self.blocks.num_free_blocks()) > 0:
                 lease = self.residency.lease(num_blocks)
         return [BlockId(b) for b in lease]
 

@@ -164,8 +164,9 @@ class KVCacheBlockAccess:
             block = block.next_free_block
         return ahead
 
-    def give_back(self, block_ids: Sequence[int]) -> None:
-        self._free(self._blocks(block_ids))
+    def give_back(self, block_ids: Sequence[int]) -> int:
+        """Drop one reference of each block; how many lost their last one."""
+        return self._free(self._blocks(block_ids))
 
     def hold(self, block_ids: Sequence[int]) -> None:
         blocks = self._blocks(block_ids)
@@ -241,6 +242,16 @@ class KVCacheBlockAccess:
     def page_block_ids(self, request_id: str, position: int) -> tuple[BlockId, ...]:
         """The request's blocks of one page, one per sparse-MLA group (the null block for HOST)."""
         return tuple(BlockId(m.req_to_blocks[request_id][position].block_id) for m in self._mla)
+
+    def history_block_ids(self, request_id: str, num_pages: int) -> list[int]:
+        """The request's first `num_pages` pages' blocks in the groups outside the sparse-MLA
+        ones (the indexer's, an MTP drafter's) that the prefix cache holds."""
+        ids = []
+        for group_id in self.other_group_ids:
+            for block in self._groups[group_id].req_to_blocks.get(request_id, ())[:num_pages]:
+                if not block.is_null and block.block_hash is not None:
+                    ids.append(block.block_id)
+        return ids
 
     def num_cached_pages(self, request_id: str) -> int:
         """Pages of the request every sparse-MLA group has committed to the prefix cache."""

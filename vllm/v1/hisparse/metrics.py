@@ -45,6 +45,11 @@ _GAUGES: dict[str, tuple[str, dict[str, str] | str]] = {
         "Device blocks (all sparse-MLA groups) held as running requests' hot buffers.",
         "hot_lease_blocks",
     ),
+    "vllm:hisparse_history_blocks": (
+        "Device blocks of finished sessions' indexer (and MTP) pages held under pressure for "
+        "their next turn, whose sparse-MLA pages the host pool holds.",
+        "history_blocks_held",
+    ),
     "vllm:hisparse_max_resolver_calls_per_layer_step": (
         "The most resolver calls one sparse-MLA layer made in one step so far (1: step-granular).",
         "max_resolver_calls_per_layer_step",
@@ -105,6 +110,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:hisparse_copies_avoided": (
         "Proactive page copies not made because the host pool already held the page's content.",
         "copies_avoided",
+    ),
+    "vllm:hisparse_history_blocks_released": (
+        "Held history blocks given back because demotion could not free the blocks a step needed.",
+        "history_blocks_released",
     ),
     "vllm:hisparse_blocks_evicted_first": (
         "Released host-backed sparse-MLA blocks put first in the device's eviction order under pressure.",

@@ -11,7 +11,10 @@ the statement of the invariant and its check, run by tests after every step
   step's or a plan's still in flight), upstream's deferred-free queue, or a copy
   in flight of an ended request;
 - a lease or staging block has exactly one reference: it is in no block table,
-  no other lease or staging set, and is no pending admission's prefix-hit block;
+  no other lease or staging set, no held history, and is no pending admission's
+  prefix-hit block;
+- a block of a finished session's history held on the device (histories.py) is
+  held once, by one history;
 - the null block and vLLM's free queue keep their upstream meaning: the free
   queue holds exactly the blocks nobody references;
 - a request's block table agrees with its residency: a HOST page is the null
@@ -42,10 +45,15 @@ class OwnershipError(AssertionError):
 
 
 def ownership_violations(
-    blocks: KVCacheBlockAccess, residency: ResidencyManager, admissions: Admissions, staging: Iterable[int]
+    blocks: KVCacheBlockAccess,
+    residency: ResidencyManager,
+    admissions: Admissions,
+    staging: Iterable[int],
+    histories: Counter[int] | None = None,
 ) -> list[str]:
     """Every violation of the invariant in the module docstring, as readable lines.
-    `staging`: the staging blocks held now (this step's and every plan's in flight)."""
+    `staging`: the staging blocks held now (this step's and every plan's in flight);
+    `histories`: block -> references the held histories hold."""
     problems: list[str] = []
 
     tables: Counter[int] = Counter()
@@ -60,6 +68,10 @@ def ownership_violations(
     hits = {b.block_id for record in records for b in record.hit}
     deferred = blocks.deferred_references()
     held = Counter(residency.held_blocks())
+    histories = histories if histories is not None else Counter()
+    for block_id, holders in histories.items():
+        if holders != 1:
+            problems.append(f"block {block_id} is held by {holders} histories")
 
     for block_id, holders in exclusive.items():
         if holders > 1:
@@ -71,7 +83,7 @@ def ownership_violations(
             )
         if block_id in hits:
             problems.append(f"block {block_id} is leased or staged and a pending admission's prefix hit")
-        if block_id in deferred or block_id in held:
+        if block_id in deferred or block_id in held or block_id in histories:
             problems.append(f"block {block_id} is leased or staged and also held or being freed")
     free_queue = blocks.free_queue_ids()
     if len(free_queue) != len(set(free_queue)):
@@ -81,12 +93,12 @@ def ownership_violations(
         if block.is_null:
             continue
         b = block.block_id
-        expected = tables[b] + exclusive[b] + deferred[b] + held[b]
+        expected = tables[b] + exclusive[b] + deferred[b] + held[b] + histories[b]
         if block.ref_cnt != expected:
             problems.append(
                 f"block {b}: {block.ref_cnt} references, {expected} holders (tables {tables[b]}, "
                 f"leases/staging {exclusive[b]}, deferred frees {deferred[b]}, "
-                f"copies of ended requests {held[b]})"
+                f"copies of ended requests {held[b]}, held histories {histories[b]})"
             )
         if block.ref_cnt == 0:
             unreferenced.add(b)
@@ -126,10 +138,14 @@ def ownership_violations(
 
 
 def check_ownership(
-    blocks: KVCacheBlockAccess, residency: ResidencyManager, admissions: Admissions, staging: Iterable[int]
+    blocks: KVCacheBlockAccess,
+    residency: ResidencyManager,
+    admissions: Admissions,
+    staging: Iterable[int],
+    histories: Counter[int] | None = None,
 ) -> None:
     """Raise `OwnershipError` naming what is wrong, if anything is."""
-    problems = ownership_violations(blocks, residency, admissions, staging)
+    problems = ownership_violations(blocks, residency, admissions, staging, histories)
     if problems:
         shown = "\n  ".join(problems[:12])
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""

@@ -81,8 +81,8 @@ class BlockAllocator(Protocol):
     def take(self, num_blocks: int) -> list[BlockId]:
         """New blocks for a hot lease (one reference each)."""
 
-    def give_back(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference of each block (a lease or a `hold`)."""
+    def give_back(self, block_ids: Sequence[int]) -> int:
+        """Drop one reference of each block (a lease or a `hold`); how many lost their last one."""
 
     def frees_are_deferred(self) -> bool:
         """Whether a block whose last reference is dropped now returns only after the step

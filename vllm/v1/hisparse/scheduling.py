@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.config.hisparse import hisparse_active, host_pool_pages, plans_executable, sparse_mla_page_bytes
 from vllm.logger import init_logger
 from vllm.v1.hisparse.admission import Admissions, PendingAdmission
+from vllm.v1.hisparse.histories import HeldHistories
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
@@ -56,6 +57,7 @@ from vllm.v1.hisparse.plan import (
     StepStaging,
 )
 from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
+from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,6 +72,8 @@ logger = init_logger(__name__)
 # Set to 1 to run the ownership check after every schedule() and every model output
 # (tests and debugging: it walks every block of the pool).
 CHECK_OWNERSHIP_ENV = "VLLM_HISPARSE_CHECK_OWNERSHIP"
+# A turn that ended so: its session may come back for its history (histories.py).
+HISTORY_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 # Copies a step plans at least; and per page a full token budget of prefill completes,
@@ -161,6 +165,8 @@ class HiSparseScheduling:
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
         self.issue_plans = True
         self.import_kind = import_kind(scheduler.connector)
+        # Finished sessions' indexer (and drafter) pages held on the device under pressure.
+        self.histories = HeldHistories(self.blocks)
         self.admissions = Admissions(
             self.blocks,
             self.residency,
@@ -170,6 +176,7 @@ class HiSparseScheduling:
             lease_blocks_for=lambda request: self.residency.lease_blocks_for(self._max_tokens(request)),
             plans_issued=lambda: self.issue_plans,
             hit_chunk_tokens=hit_chunk_tokens(scheduler.connector),
+            release_histories=self._release_histories_for_admission,
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):
@@ -224,13 +231,21 @@ class HiSparseScheduling:
         self.residency.relieve_pressure(
             num_blocks - (self.blocks.num_free_blocks() - free_before), protected_blocks=protected
         )
+        short = num_blocks - (self.blocks.num_free_blocks() - free_before)
+        if short > 0 and (request.status is RequestStatus.RUNNING or not self.scheduler.running):
+            # Demotion could not free enough for a running request (or for any request, with
+            # none running): finished sessions' histories go, oldest first, before it is
+            # preempted. A new admission waits for room instead.
+            self.histories.release(short)
         if self.blocks.num_free_blocks() - free_before >= num_blocks:
             self.residency.counters.preemptions_avoided += 1
             return True
         return False
 
     def _relieve(self, num_blocks: int, durable_only: bool = False) -> None:
-        """Relief for this step's own needs (a chunk, its staging), sparing pending hits."""
+        """Relief for this step's own needs (a chunk, its staging), sparing pending hits.
+        Held histories stay: staging rows the pool cannot spare cost a chunk more passes,
+        a history given back costs its session's next turn a recomputation."""
         self.residency.relieve_pressure(
             num_blocks, protected_blocks=self.admissions.hit_block_ids(), durable_only=durable_only
         )
@@ -408,11 +423,34 @@ class HiSparseScheduling:
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
+        self._hold_history(request)
         self.residency.finish(request.request_id)
         if not self.residency.pages_by_state()[PageState.HOST]:
             # Nothing stages any more: an idle engine holds no spare blocks (upstream's
             # reset_prefix_cache needs every block free).
             self.blocks.release_spare()
+        if not self.residency.requests:
+            self.histories.release_all()  # idle: the LRU order serves them again
+
+    def _hold_history(self, request: Request) -> None:
+        """A session's turn ended with pages in the host pool: hold its indexer (and
+        drafter) blocks of the leading pages the host pool holds, so its next turn finds
+        its whole history (see histories.py). Not for a preempted request (its blocks must
+        free room) or one that failed or was aborted."""
+        if not self.enable_caching or request.status not in HISTORY_STATUSES:
+            return
+        req = self.residency.requests.get(request.request_id)
+        if req is None:
+            return
+        num_pages = 0
+        for page in req.pages[: req.num_complete_pages]:
+            if page.state is PageState.DEVICE:
+                break
+            num_pages += 1
+        if num_pages:
+            self.histories.hold(
+                request.request_id, self.blocks.history_block_ids(request.request_id, num_pages)
+            )
 
     def _evict_host_backed_first(self, request: Request) -> None:
         """Under pressure, before an immediate free of a released request: its BOTH pages'
@@ -454,6 +492,11 @@ class HiSparseScheduling:
         """Whether the device is short of blocks: pages live only in the host pool (relief
         demoted them, or mode "always" does), or allocations already evict cached blocks."""
         return self.residency.pages_by_state()[PageState.HOST] > 0 or self.blocks.front_is_cached()
+
+    def _release_histories_for_admission(self, num_blocks: int) -> int:
+        """An admission's hot lease finds no room after demotion: held histories make room
+        only when no request runs (one that runs ends, and frees room, in time)."""
+        return 0 if self.scheduler.running else self.histories.release(num_blocks)
 
     def has_pending_work(self) -> bool:
         """Copies in flight whose reports only later steps collect, or spare staging blocks
@@ -598,7 +641,13 @@ class HiSparseScheduling:
 
     def check_ownership(self) -> None:
         """Assert that every device block, host page and copy has exactly its owners (ownership.py)."""
-        check_ownership(self.blocks, self.residency, self.admissions, self.staging_blocks())
+        check_ownership(
+            self.blocks,
+            self.residency,
+            self.admissions,
+            self.staging_blocks(),
+            self.histories.held_references(),
+        )
 
     # -- state ---------------------------------------------------------------
 
@@ -713,6 +762,10 @@ class HiSparseScheduling:
             connector_hits_cut=self.admissions.counters.hits_cut,
             # Released host-backed sparse-MLA blocks put first in the eviction order.
             blocks_evicted_first=self.blocks_evicted_first,
+            # Finished sessions' indexer (and drafter) blocks held on the device, and those
+            # given back because demotion could not free enough.
+            history_blocks_held=len(self.histories),
+            history_blocks_released=self.histories.blocks_released_under_pressure,
             preemptions_avoided=counters.preemptions_avoided,
             # Proactive copies not made because the host pool already held the page.
             copies_avoided=counters.copies_avoided,
