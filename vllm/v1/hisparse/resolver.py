@@ -177,62 +177,164 @@ def plan_resolution(
         table_rows = torch.arange(num_requests, device=positions.device)
     _validate(positions, token_requests, host_page_table, hot, staging_slots, table_rows)
     if max_tokens_per_request is not None and positions.is_cuda and cuda_kernels_available():
-        shape = fused_plan_shape(max_tokens_per_request, positions.shape[1], hot.positions.shape[1])
-        if shape is not None and hot.positions.is_contiguous() and hot.stamps.is_contiguous():
-            plan, inputs, outputs = fused_plan_buffers(
-                positions, token_requests, host_page_table, table_rows, staging_slots
-            )
-            torch.ops._hisparse_C.plan_resolution(
-                *inputs, hot.positions, hot.stamps, block_size, step, *shape, *outputs
-            )
+        plan = _plan_fused(
+            positions,
+            token_requests,
+            host_page_table,
+            block_size,
+            hot,
+            staging_slots,
+            step,
+            table_rows,
+            max_tokens_per_request,
+        )
+        if plan is not None:
             return plan
-    device = positions.device
+    return _plan_with_torch(
+        positions, token_requests, host_page_table, block_size, hot, staging_slots, step, table_rows
+    )
+
+
+def _plan_fused(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    block_size: int,
+    hot: HotState,
+    staging_slots: torch.Tensor,
+    step: int,
+    table_rows: torch.Tensor,
+    max_tokens_per_request: int,
+) -> ResolutionPlan | None:
+    """The step planned by the fused kernel in one launch; None when it does not fit it."""
+    shape = fused_plan_shape(max_tokens_per_request, positions.shape[1], hot.positions.shape[1])
+    if shape is None or not (hot.positions.is_contiguous() and hot.stamps.is_contiguous()):
+        return None
+    plan, inputs, outputs = fused_plan_buffers(
+        positions, token_requests, host_page_table, table_rows, staging_slots
+    )
+    torch.ops._hisparse_C.plan_resolution(*inputs, hot.positions, hot.stamps, block_size, step, *shape, *outputs)
+    return plan
+
+
+def _plan_with_torch(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    block_size: int,
+    hot: HotState,
+    staging_slots: torch.Tensor,
+    step: int,
+    table_rows: torch.Tensor,
+) -> ResolutionPlan:
+    """The step planned with fixed-shape torch operations, phase by phase (the module
+    docstring's rules). Each phase's temporaries go when it returns: the peak beside the
+    plan is a few [T * K] int64 arrays (docs/architecture.md, "Plan memory")."""
+    num_requests = hot.positions.shape[0]
+    token_requests, table_rows, out_of_bounds = _bounded_requests(
+        token_requests, table_rows, num_requests, host_page_table.shape[0]
+    )
+    on_host, entry_request = _entries_on_host(
+        positions, token_requests, host_page_table, table_rows, block_size
+    )
+    unique_key, distinct_of_entry = _distinct_rows(positions, on_host, entry_request, num_requests)
+    valid = unique_key != num_requests * KEY_STRIDE
+    hit, hit_flat = _hits(hot, unique_key, valid, num_requests)
+    request = torch.where(valid, unique_key // KEY_STRIDE, 0)
+    position = torch.where(valid, unique_key % KEY_STRIDE, 0)
+    del unique_key
+    slots = _assign_slots(hot, request, position, valid, hit, hit_flat, staging_slots)
+    del valid, hit, hit_flat
+    _advance_hot_state(hot, slots, step)
     num_tokens, topk = positions.shape
-    num_pages = host_page_table.shape[1]
-    hot_slots = hot.positions.shape[1]
-    num_entries = num_tokens * topk
-    pos = positions.long()
-    # A request row outside the hot state, or a table row outside the page table, is an
-    # accounting error: flagged, and read as resident so every gather stays in bounds.
-    out_of_bounds: torch.Tensor | int
-    if positions.is_cuda:  # device tensors: flagged without reading anything back
+    entry_slot = torch.where(on_host, slots.slot[distinct_of_entry.view(num_tokens, topk)], 0)
+    del distinct_of_entry
+    return _loads_and_errors(
+        on_host,
+        entry_request,
+        entry_slot,
+        slots,
+        host_page_table,
+        table_rows,
+        block_size,
+        num_requests,
+        out_of_bounds,
+    )
+
+
+@dataclass
+class _Slots:
+    """Each distinct row of the step and what happens to it ([T * K] each; past the
+    distinct rows, padding that is neither hit nor miss)."""
+
+    request: torch.Tensor  # its request (0 for padding)
+    position: torch.Tensor  # its position (0 for padding)
+    slot: torch.Tensor  # hot (< H) or staging (>= H); 0 for padding and overflow
+    hit: torch.Tensor  # held in the request's hot buffer
+    miss: torch.Tensor
+    to_hot: torch.Tensor  # a miss that takes an eligible hot slot
+    overflow: torch.Tensor  # a miss beyond the hot and staging slots
+
+
+def _bounded_requests(
+    token_requests: torch.Tensor, table_rows: torch.Tensor, num_requests: int, num_table_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+    """Token requests and table rows made safe to index with, and the out-of-bounds flag.
+
+    A request row outside the hot state, or a table row outside the page table, is an
+    accounting error: flagged, and read as resident so every gather stays in bounds.
+    """
+    if token_requests.is_cuda:  # device tensors: flagged without reading anything back
         out_of_bounds = (
             ((token_requests < -1) | (token_requests >= num_requests)).any()
-            | ((table_rows < 0) | (table_rows >= host_page_table.shape[0])).any()
+            | ((table_rows < 0) | (table_rows >= num_table_rows)).any()
         ).long()
         token_requests = torch.where(token_requests < num_requests, token_requests.long(), -1)
-        table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
-    else:  # host tensors: two reads, and the clamps only when needed
-        low, high = (int(v) for v in torch.aminmax(token_requests)) if token_requests.numel() else (-1, -1)
-        rows_low, rows_high = (int(v) for v in torch.aminmax(table_rows))
-        out_of_bounds = int(
-            low < -1 or high >= num_requests or rows_low < 0 or rows_high >= host_page_table.shape[0]
-        )
-        token_requests = token_requests.long()
-        if out_of_bounds:
-            token_requests = torch.where(token_requests < num_requests, token_requests, -1)
-            table_rows = table_rows.clamp(min=0, max=max(host_page_table.shape[0] - 1, 0))
-    # Temporaries are dropped as soon as they are used: on the torch path the peak beside
-    # the plan is a few [T * K] int64 arrays (docs/architecture.md, "Plan memory").
-    entry_request = token_requests.unsqueeze(1).expand(num_tokens, topk)
+        return token_requests, table_rows.clamp(min=0, max=max(num_table_rows - 1, 0)), out_of_bounds
+    # Host tensors: two reads, and the clamps only when needed.
+    low, high = (int(v) for v in torch.aminmax(token_requests)) if token_requests.numel() else (-1, -1)
+    rows_low, rows_high = (int(v) for v in torch.aminmax(table_rows))
+    flagged = int(low < -1 or high >= num_requests or rows_low < 0 or rows_high >= num_table_rows)
+    token_requests = token_requests.long()
+    if flagged:
+        token_requests = torch.where(token_requests < num_requests, token_requests, -1)
+        table_rows = table_rows.clamp(min=0, max=max(num_table_rows - 1, 0))
+    return token_requests, table_rows, flagged
+
+
+def _entries_on_host(
+    positions: torch.Tensor,
+    token_requests: torch.Tensor,
+    host_page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, K] bool, [T, K] int64): the entries on HOST pages, and their request (0 elsewhere)."""
+    num_pages = host_page_table.shape[1]
+    pos = positions.long()
+    entry_request = token_requests.unsqueeze(1).expand_as(pos)
     page = pos.clamp(min=0) // block_size
     on_host = (pos >= 0) & (entry_request >= 0) & (page < num_pages)
     page.clamp_(max=max(num_pages - 1, 0))
     on_host &= host_page_table[table_rows[entry_request.clamp(min=0)], page] >= 0
-    del page
-    entry_request = torch.where(on_host, entry_request, 0)
+    return on_host, torch.where(on_host, entry_request, 0)
 
-    # The distinct (request, position) keys on HOST pages, ascending; the rest sort last.
+
+def _distinct_rows(
+    positions: torch.Tensor, on_host: torch.Tensor, entry_request: torch.Tensor, num_requests: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T * K], [T * K]): the distinct (request, position) keys on HOST pages ascending,
+    padded with the sentinel M * KEY_STRIDE, and each entry's number among them."""
+    num_entries = on_host.numel()
     sentinel = num_requests * KEY_STRIDE
-    key = torch.where(on_host, entry_request * KEY_STRIDE + pos, sentinel).flatten()
-    del pos
+    key = torch.where(on_host, entry_request * KEY_STRIDE + positions.long(), sentinel).flatten()
     sorted_key, order = torch.sort(key)
     del key
     first = torch.ones_like(sorted_key, dtype=torch.bool)
     first[1:] = sorted_key[1:] != sorted_key[:-1]
     first &= sorted_key != sentinel
     distinct_of_sorted = torch.cumsum(first, 0) - 1
-    unique_key = torch.full((num_entries + 1,), sentinel, dtype=torch.int64, device=device)
+    unique_key = torch.full((num_entries + 1,), sentinel, dtype=torch.int64, device=on_host.device)
     unique_key.scatter_(0, torch.where(first, distinct_of_sorted, num_entries), sorted_key)
     del first, sorted_key
     unique_key = unique_key[:num_entries]
@@ -241,36 +343,49 @@ def plan_resolution(
     distinct_of_entry[order] = distinct_of_sorted
     del order, distinct_of_sorted
     distinct_of_entry.clamp_(min=0)
-    valid = unique_key != sentinel
+    return unique_key, distinct_of_entry
 
-    # Hits: a held position of the same request.
+
+def _hits(
+    hot: HotState, unique_key: torch.Tensor, valid: torch.Tensor, num_requests: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T * K] bool, [T * K] int64): the distinct rows a hot buffer holds, and where
+    (request * H + slot)."""
     held = hot.positions.flatten()
-    held_request = torch.arange(num_requests, device=device).repeat_interleave(hot_slots)
-    held_key = torch.where(held >= 0, held_request * KEY_STRIDE + held, sentinel + 1)
+    if not held.numel():
+        return torch.zeros_like(valid), torch.zeros_like(unique_key)
+    hot_slots = hot.positions.shape[1]
+    held_request = torch.arange(num_requests, device=held.device).repeat_interleave(hot_slots)
+    held_key = torch.where(held >= 0, held_request * KEY_STRIDE + held, num_requests * KEY_STRIDE + 1)
     sorted_held, held_order = torch.sort(held_key)
-    if held.numel():
-        at = torch.searchsorted(sorted_held, unique_key).clamp_(max=held.numel() - 1)
-        hit = valid & (sorted_held[at] == unique_key)
-        hit_flat = held_order[at]
-        del at
-    else:
-        hit = torch.zeros_like(valid)
-        hit_flat = torch.zeros_like(unique_key)
-    request = torch.where(valid, unique_key // KEY_STRIDE, 0)
-    position = torch.where(valid, unique_key % KEY_STRIDE, 0)
-    del unique_key
+    at = torch.searchsorted(sorted_held, unique_key).clamp_(max=held.numel() - 1)
+    return valid & (sorted_held[at] == unique_key), held_order[at]
+
+
+def _assign_slots(
+    hot: HotState,
+    request: torch.Tensor,
+    position: torch.Tensor,
+    valid: torch.Tensor,
+    hit: torch.Tensor,
+    hit_flat: torch.Tensor,
+    staging_slots: torch.Tensor,
+) -> _Slots:
+    """Hits keep their slot; misses, ranked by position within their request, take its
+    eligible slots in LRU order (unselected first, then (stamp, slot)), then its staging
+    slots; what is left over is an overflow."""
+    num_requests, hot_slots = hot.positions.shape
+    device = hit.device
     dummy = num_requests * hot_slots
     selected = torch.zeros(dummy + 1, dtype=torch.bool, device=device)
     selected[torch.where(hit, hit_flat, dummy)] = True
     selected = selected[:dummy].view(num_requests, hot_slots)
-
-    # Eligible slots in LRU order, per request: unselected first, then (stamp, slot).
     _, by_stamp = torch.sort(hot.stamps, dim=1, stable=True)
     _, by_selected = torch.sort(selected.gather(1, by_stamp).to(torch.int8), dim=1, stable=True)
     lru_order = by_stamp.gather(1, by_selected)
     num_eligible = hot_slots - selected.sum(dim=1)
+    del selected, by_stamp, by_selected
 
-    # Misses, ranked by position within their request.
     miss = valid & ~hit
     misses_per_request = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
     misses_per_request.scatter_add_(0, torch.where(miss, request, num_requests), miss.long())
@@ -287,37 +402,52 @@ def plan_resolution(
     slot = torch.where(to_hot, slot, hot_slots + rank)
     del rank
     slot = torch.where(hit, hit_flat % max(hot_slots, 1), slot)
-    del hit_flat
     # Slot 0 for what has no slot (padding past the distinct rows, an overflowing miss,
     # counted in `error`), so every gather by slot stays in bounds.
     slot.masked_fill_(~(hit | miss) | overflow, 0)
+    return _Slots(request, position, slot, hit, miss, to_hot, overflow)
 
-    # The hot state after this step.
-    flat = torch.where(hit | to_hot, request * hot_slots + slot, dummy)
+
+def _advance_hot_state(hot: HotState, slots: _Slots, step: int) -> None:
+    """Stamp the slots selected now, and put each miss that took a hot slot there."""
+    num_requests, hot_slots = hot.positions.shape
+    dummy = num_requests * hot_slots
+    flat = torch.where(slots.hit | slots.to_hot, slots.request * hot_slots + slots.slot, dummy)
     stamps = torch.cat([hot.stamps.flatten(), hot.stamps.new_zeros(1)])
     stamps[flat] = step
-    positions_after = torch.cat([held, held.new_zeros(1)])
-    positions_after[torch.where(to_hot, flat, dummy)] = position
+    positions_after = torch.cat([hot.positions.flatten(), hot.positions.new_zeros(1)])
+    positions_after[torch.where(slots.to_hot, flat, dummy)] = slots.position
     del flat
     hot.stamps.copy_(stamps[:dummy].view_as(hot.stamps))
     hot.positions.copy_(positions_after[:dummy].view_as(hot.positions))
 
-    entry_slot = torch.where(on_host, slot[distinct_of_entry.view(num_tokens, topk)], 0)
-    del distinct_of_entry
 
-    load = miss & ~overflow
-    staged = load & ~to_hot
-    last_page = max(num_pages - 1, 0)
+def _loads_and_errors(
+    on_host: torch.Tensor,
+    entry_request: torch.Tensor,
+    entry_slot: torch.Tensor,
+    slots: _Slots,
+    host_page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+    num_requests: int,
+    out_of_bounds: torch.Tensor | int,
+) -> ResolutionPlan:
+    """The rows to copy from the host pool, the counters and the error words, as a plan."""
+    request, position = slots.request, slots.position
+    load = slots.miss & ~slots.overflow
+    staged = load & ~slots.to_hot
+    last_page = max(host_page_table.shape[1] - 1, 0)
     source_page = host_page_table[table_rows[request], (position // block_size).clamp_(max=last_page)]
     not_in_pool = load & (source_page < 0)
     error = (
-        overflow.any().long() * ERROR_STAGING_OVERFLOW
+        slots.overflow.any().long() * ERROR_STAGING_OVERFLOW
         + not_in_pool.any().long() * ERROR_NOT_IN_HOST_POOL
         + out_of_bounds * ERROR_REQUEST_OUT_OF_BOUNDS
     )
     # The same bits per request (`request` is 0 where no entry is, and neither flag is set).
-    overflowed = torch.zeros(num_requests, dtype=torch.int64, device=device).scatter_add_(
-        0, request, overflow.long()
+    overflowed = torch.zeros(num_requests, dtype=torch.int64, device=request.device).scatter_add_(
+        0, request, slots.overflow.long()
     )
     missing = torch.zeros_like(overflowed).scatter_add_(0, request, not_in_pool.long())
     request_error = (overflowed > 0).long() * ERROR_STAGING_OVERFLOW
@@ -332,9 +462,9 @@ def plan_resolution(
         entry_slot=entry_slot,
         load=load,
         load_request=request,
-        load_slot=slot,
+        load_slot=slots.slot,
         load_host_row=load_host_row,
-        counts=torch.stack([load.sum(), hit.sum(), (staged & ~not_in_pool).sum()]),
+        counts=torch.stack([load.sum(), slots.hit.sum(), (staged & ~not_in_pool).sum()]),
         error=error,
         request_error=request_error,
     )
