@@ -15,11 +15,20 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <atomic>
+
 #include "hisparse_page_copy.h"
 #include "hisparse_plan_launch.h"
 #include "hisparse_row_copy.h"
 
 namespace {
+
+// Copy launches that fell back to byte-by-byte copies because a row, page, stride or base
+// address was not 16-byte aligned (row_copy_in_words, page_copy_in_words): counted for the
+// worker's metrics (narrow_copy_launches), and warned about once per kind.
+std::atomic<int64_t> narrow_copy_launch_count{0};
+
+int64_t narrow_copy_launches() { return narrow_copy_launch_count.load(); }
 
 void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name,
@@ -54,9 +63,15 @@ const void* mapped_host_pointer(const at::Tensor& host, const char* name) {
 
 // kv_rows: [rows, width] with contiguous columns; host_rows: [rows, width] host memory, same
 // row bytes; dst_rows / src_rows: int64 [n]; copy: bool [n]; error: int64 [1] or [].
+// block_stride_rows / block_rows: block b's rows of this layer are
+// b * block_stride_rows + [0, block_rows) of kv_rows.
 void check_copy_host_rows(const at::Tensor& kv_rows, const at::Tensor& dst_rows,
                           const at::Tensor& host_rows, const at::Tensor& src_rows,
-                          const at::Tensor& copy, const at::Tensor& error) {
+                          const at::Tensor& copy, const at::Tensor& error,
+                          int64_t block_stride_rows, int64_t block_rows) {
+  TORCH_CHECK(block_rows > 0 && block_stride_rows >= block_rows,
+              "block_rows must be positive and at most block_stride_rows, got ", block_rows,
+              " and ", block_stride_rows);
   TORCH_CHECK(kv_rows.dim() == 2 && kv_rows.stride(1) == 1,
               "kv_rows must be rows [rows, width] with contiguous columns, got ", kv_rows.sizes());
   TORCH_CHECK(host_rows.dim() == 2 && host_rows.stride(1) == 1,
@@ -80,14 +95,18 @@ void check_copy_host_rows(const at::Tensor& kv_rows, const at::Tensor& dst_rows,
 
 void copy_host_rows_meta(at::Tensor& kv_rows, const at::Tensor& dst_rows,
                          const at::Tensor& host_rows, const at::Tensor& src_rows,
-                         const at::Tensor& copy, at::Tensor& error) {
-  check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
+                         const at::Tensor& copy, at::Tensor& error, int64_t block_stride_rows,
+                         int64_t block_rows) {
+  check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error, block_stride_rows,
+                       block_rows);
 }
 
 void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows,
                          const at::Tensor& host_rows, const at::Tensor& src_rows,
-                         const at::Tensor& copy, at::Tensor& error) {
-  check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error);
+                         const at::Tensor& copy, at::Tensor& error, int64_t block_stride_rows,
+                         int64_t block_rows) {
+  check_copy_host_rows(kv_rows, dst_rows, host_rows, src_rows, copy, error, block_stride_rows,
+                       block_rows);
   TORCH_CHECK(kv_rows.is_cuda(), "kv_rows must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(kv_rows.device());
   const void* host_ptr = mapped_host_pointer(host_rows, "host_rows");
@@ -95,6 +114,8 @@ void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows,
   args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
   args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
   args.kv_num_rows = kv_rows.size(0);
+  args.kv_block_stride_rows = block_stride_rows;
+  args.kv_block_rows = block_rows;
   args.host_rows = static_cast<const char*>(host_ptr);
   args.host_row_stride = host_rows.stride(0) * host_rows.element_size();
   args.host_num_rows = host_rows.size(0);
@@ -104,11 +125,19 @@ void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows,
   args.n = dst_rows.numel();
   args.row_bytes = kv_rows.size(1) * kv_rows.element_size();
   args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+  if (args.n > 0 && !hisparse::row_copy_in_words(args)) {
+    ++narrow_copy_launch_count;
+    TORCH_WARN_ONCE("HiSparse row copy: rows of ", args.row_bytes, " bytes at strides ",
+                    args.kv_row_stride, " (device) and ", args.host_row_stride,
+                    " (host) bytes, or their base addresses, are not 16-byte aligned, so misses "
+                    "are copied byte by byte, many times slower; "
+                    "vllm:hisparse_narrow_copy_launches counts such launches");
+  }
   C10_CUDA_CHECK(hisparse::launch_copy_host_rows(args, c10::cuda::getCurrentCUDAStream()));
 }
 
 void copy_host_rows_cpu(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, at::Tensor&) {
+                        const at::Tensor&, at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(
       false,
       "_hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA tensors; for CPU tensors "
@@ -194,6 +223,13 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
   args.to_host = to_host;
   args.device_aligned16 = device_aligned16;
   args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+  if (args.num_pages > 0 && !hisparse::page_copy_in_words(args)) {
+    ++narrow_copy_launch_count;
+    TORCH_WARN_ONCE("HiSparse page copy: pages of ", args.page_bytes,
+                    " bytes, a cache's block stride or a base address are not 16-byte aligned, "
+                    "so pages are copied byte by byte, many times slower; "
+                    "vllm:hisparse_narrow_copy_launches counts such launches");
+  }
   C10_CUDA_CHECK(hisparse::launch_copy_pages(args, c10::cuda::getCurrentCUDAStream()));
 }
 
@@ -324,7 +360,7 @@ void plan_resolution_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&
 TORCH_LIBRARY(_hisparse_C, m) {
   m.def(
       "copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, Tensor host_rows, Tensor src_rows, "
-      "Tensor copy, Tensor(b!) error) -> ()");
+      "Tensor copy, Tensor(b!) error, int block_stride_rows, int block_rows) -> ()");
   m.def(
       "copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, Tensor block_ids, Tensor "
       "host_pages, "
@@ -335,6 +371,8 @@ TORCH_LIBRARY(_hisparse_C, m) {
       "Tensor staging_slots, Tensor(a!) hot_positions, Tensor(b!) hot_stamps, int block_size, int "
       "step, "
       "int max_entries, int hot_pad, Tensor(c!) flags, Tensor(d!) ints) -> ()");
+  // No tensor arguments, so no dispatch key: one kernel serves every caller.
+  m.def("narrow_copy_launches() -> int", &narrow_copy_launches);
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CUDA, m) {

@@ -47,19 +47,12 @@ __global__ void copy_pages_kernel(PageCopyArgs args) {
              blockDim.x);
 }
 
-bool aligned(int64_t value, int64_t alignment) { return value % alignment == 0; }
-
 }  // namespace
 
 cudaError_t launch_copy_pages(const PageCopyArgs& args, cudaStream_t stream) {
   if (args.num_pages == 0 || args.num_layers == 0) return cudaSuccess;
-  // 16-byte words when every page start is 16-byte aligned (the usual case: 64 rows
-  // of a 576- or 656-byte latent), bytes otherwise.
-  const bool wide = args.device_aligned16 && aligned(args.page_bytes, 16) &&
-                    aligned(args.host_layer_stride, 16) && aligned(args.host_page_stride, 16) &&
-                    aligned(reinterpret_cast<int64_t>(args.host_pool), 16);
   const dim3 grid(static_cast<unsigned>(args.num_pages * args.num_layers));
-  if (wide) {
+  if (page_copy_in_words(args)) {
     copy_pages_kernel<uint4><<<grid, kThreadsPerPageCopy, 0, stream>>>(args);
   } else {
     copy_pages_kernel<uint8_t><<<grid, kThreadsPerPageCopy, 0, stream>>>(args);

@@ -36,6 +36,14 @@ struct PageCopyArgs {
   unsigned long long* error;  // the step's error word: kErrorPageOutOfBounds is OR-ed in
 };
 
+// Whether the launch copies in 16-byte words (every page start and the page size are
+// multiples of 16: the usual case, 64 rows of a 576- or 656-byte latent); otherwise it
+// copies byte by byte, many times slower (the binding counts such launches and warns once).
+inline bool page_copy_in_words(const PageCopyArgs& args) {
+  return args.device_aligned16 && args.page_bytes % 16 == 0 && args.host_layer_stride % 16 == 0 &&
+         args.host_page_stride % 16 == 0 && reinterpret_cast<uintptr_t>(args.host_pool) % 16 == 0;
+}
+
 // One launch for every page and every layer, ordered on `stream`. Pages never repeat
 // (the caller refuses duplicate host pages and duplicate blocks of a layer up front),
 // so no two thread blocks write the same bytes. A (page, layer) whose block or host

@@ -8,12 +8,13 @@
 // the step, masked to its distinct misses), so the launch needs no count read
 // back from the device. One warp copies one row from pinned host memory through
 // its device mapping, in 16-byte words when rows and strides allow (all of a row's
-// loads issued before its stores, csrc/hisparse_copy.h); entries
+// loads issued before its stores, csrc/hisparse_copy.h; row_copy_in_words); entries
 // never share a destination (each miss has its own slot), so warps never race.
 // Every decision is read from the read-only plan arrays; no thread waits on
-// another. Rows are range-checked: an entry outside its table copies nothing
-// and raises kErrorRowOutOfBounds in the step's error word (the reference
-// raises at once; the worker reads the word once per step).
+// another. Rows are range-checked: an entry outside its table, or on rows of its
+// block that belong to another layer (kv_block_rows), copies nothing and raises
+// kErrorRowOutOfBounds in the step's error word (the reference raises at once; the worker reads the
+// word once per step).
 //
 // This file has no torch dependency so it compiles with plain nvcc; the torch
 // binding is csrc/hisparse_ops.cpp.
@@ -36,7 +37,8 @@ __global__ void copy_host_rows_kernel(RowCopyArgs args) {
   if (warp >= args.n || !args.copy[warp]) return;
   const int64_t src_row = args.src_rows[warp];
   const int64_t dst_row = args.dst_rows[warp];
-  if (src_row < 0 || src_row >= args.host_num_rows || dst_row < 0 || dst_row >= args.kv_num_rows) {
+  if (src_row < 0 || src_row >= args.host_num_rows || dst_row < 0 || dst_row >= args.kv_num_rows ||
+      dst_row % args.kv_block_stride_rows >= args.kv_block_rows) {
     if (lane == 0) atomicOr(args.error, kErrorRowOutOfBounds);
     return;
   }
@@ -46,20 +48,14 @@ __global__ void copy_host_rows_kernel(RowCopyArgs args) {
   copy_words(dst, src, args.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
 }
 
-bool aligned(int64_t value) { return value % 16 == 0; }
-
 }  // namespace
 
 cudaError_t launch_copy_host_rows(const RowCopyArgs& args, cudaStream_t stream) {
   if (args.n == 0) return cudaSuccess;
-  const bool wide = aligned(args.row_bytes) && aligned(args.kv_row_stride) &&
-                    aligned(args.host_row_stride) &&
-                    aligned(reinterpret_cast<int64_t>(args.kv_rows)) &&
-                    aligned(reinterpret_cast<int64_t>(args.host_rows));
   const int threads = 32 * kRowCopyWarpsPerBlock;
   const dim3 grid(
       static_cast<unsigned>((args.n + kRowCopyWarpsPerBlock - 1) / kRowCopyWarpsPerBlock));
-  if (wide) {
+  if (row_copy_in_words(args)) {
     copy_host_rows_kernel<uint4><<<grid, threads, 0, stream>>>(args);
   } else {
     copy_host_rows_kernel<uint8_t><<<grid, threads, 0, stream>>>(args);

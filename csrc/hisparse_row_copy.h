@@ -14,9 +14,14 @@ namespace hisparse {
 constexpr int kRowCopyWarpsPerBlock = 8;
 
 struct RowCopyArgs {
-  char* kv_rows;            // the layer's KV cache rows on the device
-  int64_t kv_row_stride;    // bytes between consecutive rows of kv_rows
-  int64_t kv_num_rows;      // rows of kv_rows: a destination outside [0, kv_num_rows) is an error
+  char* kv_rows;          // the layer's KV cache rows on the device
+  int64_t kv_row_stride;  // bytes between consecutive rows of kv_rows
+  int64_t kv_num_rows;    // rows of kv_rows: a destination outside [0, kv_num_rows) is an error
+  // Block b's rows are b * kv_block_stride_rows + [0, kv_block_rows): where layers share a
+  // block-outermost allocation, the rows between them are other layers' pages, and a
+  // destination there is an error too.
+  int64_t kv_block_stride_rows;
+  int64_t kv_block_rows;
   const char* host_rows;    // the layer's host pool rows, mapped into the device address space
   int64_t host_row_stride;  // bytes between consecutive host rows
   int64_t host_num_rows;    // rows of host_rows: a source outside [0, host_num_rows) is an error
@@ -28,9 +33,19 @@ struct RowCopyArgs {
   unsigned long long* error;  // the step's error word: kErrorRowOutOfBounds is OR-ed in
 };
 
+// Whether the launch copies in 16-byte words: row bytes, both strides and both base
+// addresses are multiples of 16. Otherwise it copies byte by byte, many times slower
+// (the binding counts such launches and warns once).
+inline bool row_copy_in_words(const RowCopyArgs& args) {
+  return args.row_bytes % 16 == 0 && args.kv_row_stride % 16 == 0 &&
+         args.host_row_stride % 16 == 0 && reinterpret_cast<uintptr_t>(args.kv_rows) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(args.host_rows) % 16 == 0;
+}
+
 // Copies, for every i < n with copy[i], host row src_rows[i] into device row dst_rows[i];
-// one warp per entry, ordered on `stream`. An entry with a row out of bounds copies
-// nothing and sets kErrorRowOutOfBounds in *error.
+// one warp per entry, ordered on `stream`. An entry with a row out of bounds (of its
+// table, or of the layer's own rows within a block) copies nothing and sets
+// kErrorRowOutOfBounds in *error.
 cudaError_t launch_copy_host_rows(const RowCopyArgs& args, cudaStream_t stream);
 
 }  // namespace hisparse

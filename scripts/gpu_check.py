@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every GPU check of the HiSparse kernels, in one command, on a bare GPU machine.
 
-Usage: python3 scripts/gpu_check.py [--out docs/kernels.md] [--quick]
+Usage: python3 scripts/gpu_check.py [--out docs/kernels.md] [--quick] [--sanitize]
 
 Needs torch with CUDA and nvcc (no vLLM, no network). It:
 1. builds csrc/ as the CUDA wheel does (setup.py, sm_90a and sm_100a) and loads it
    (`--build-only` stops there, and needs no GPU);
-2. runs tests/kernels (pytest, when installed) at production shapes;
+2. runs tests/kernels (pytest, when installed) at production shapes, and with
+   `--sanitize` again under compute-sanitizer's memcheck and racecheck (when the toolkit
+   has it), each in a process that loads the library built in step 1;
 3. runs the shared production-shape checks itself (tests/support/kernel_checks.py),
    so the verdicts are there without pytest too: resolution of 128 decode requests
    (fp8_ds_mla and bf16 rows; 0%, 10% and 50% misses), an 8K-token prefill chunk,
@@ -31,6 +33,8 @@ import datetime
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,12 +43,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "support"), str(REPO / "scripts")]
 
 LAYERS = 61  # DeepSeek-V3.2's sparse-MLA layers: one post-forward copy covers them all
+# compute-sanitizer's tools `--sanitize` runs tests/kernels under, and the variable naming
+# the library those runs load (tests/support/kernel_build.py reads it).
+SANITIZER_TOOLS = ("memcheck", "racecheck")
+EXTENSION_LIBRARY_ENV = "HISPARSE_EXTENSION_LIBRARY"
 
 
-def build_extension() -> float:
+def build_extension() -> tuple[float, Path]:
     """Build csrc/ as the CUDA wheel does (setup.py: sm_90a and sm_100a, the toolkit found
-    by cuda_build.find_cuda_home) with this interpreter's torch, and load it; seconds taken."""
-    import subprocess
+    by cuda_build.find_cuda_home) with this interpreter's torch, and load it; seconds
+    taken, and the library."""
     import tempfile
 
     import torch
@@ -70,10 +78,23 @@ def build_extension() -> float:
         env=env,
         check=True,
     )
-    torch.ops.load_library(str(work / "lib" / EXTENSION))
+    library = work / "lib" / EXTENSION
+    torch.ops.load_library(str(library))
     if not ops_registered():
         raise RuntimeError(f"the built library does not register torch.ops._hisparse_C.{{{', '.join(OPS)}}}")
-    return time.perf_counter() - began
+    return time.perf_counter() - began, library
+
+
+# test_production_shapes.py calls the same checks `verdicts` runs and tabulates below.
+PYTEST_ARGS = (
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "--rootdir",
+    str(REPO),
+    str(REPO / "tests" / "kernels"),
+    f"--ignore={REPO / 'tests' / 'kernels' / 'test_production_shapes.py'}",
+)
 
 
 def run_pytest() -> str:
@@ -81,19 +102,64 @@ def run_pytest() -> str:
         import pytest
     except ImportError:
         return "not run: pytest is not installed here (the shared checks below ran without it)"
-    # test_production_shapes.py calls the same checks `verdicts` runs and tabulates below.
-    code = pytest.main(
-        [
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            str(REPO),
-            str(REPO / "tests" / "kernels"),
-            f"--ignore={REPO / 'tests' / 'kernels' / 'test_production_shapes.py'}",
-        ]
-    )
+    code = pytest.main(list(PYTEST_ARGS))
     return "passed" if int(code) == 0 else f"FAILED (pytest exit {int(code)})"
+
+
+def find_sanitizer() -> Path | None:
+    """compute-sanitizer on PATH or in the CUDA toolkit, if there is one."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return Path(found)
+    from cuda_build import find_cuda_home
+
+    try:
+        home = find_cuda_home()
+    except Exception:
+        return None
+    for candidate in (home / "bin" / "compute-sanitizer", home / "compute-sanitizer" / "compute-sanitizer"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def sanitizer_commands(sanitizer: Path, library: Path) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(tool, command, environment) for each tool: tests/kernels under the tool, in a
+    process that loads `library`; the tool's own errors fail the run."""
+    env = {**os.environ, EXTENSION_LIBRARY_ENV: str(library)}
+    return [
+        (
+            tool,
+            [
+                str(sanitizer),
+                "--tool",
+                tool,
+                "--error-exitcode",
+                "97",
+                sys.executable,
+                "-m",
+                "pytest",
+                *PYTEST_ARGS,
+            ],
+            env,
+        )
+        for tool in SANITIZER_TOOLS
+    ]
+
+
+def run_sanitizers(library: Path, sanitizer: Path | None) -> dict[str, str]:
+    """Each tool's verdict on tests/kernels: passed, FAILED (with the exit status: 97 is
+    the tool's own finding), or why it did not run."""
+    if sanitizer is None:
+        return dict.fromkeys(SANITIZER_TOOLS, "not run: compute-sanitizer is not in this CUDA toolkit")
+    results = {}
+    for tool, command, env in sanitizer_commands(sanitizer, library):
+        print(f"gpu_check: tests/kernels under compute-sanitizer --tool {tool}", flush=True)
+        code = subprocess.run(command, cwd=REPO, env=env, check=False).returncode
+        results[tool] = (
+            "passed" if code == 0 else f"FAILED (exit {code}{': its own finding' if code == 97 else ''})"
+        )
+    return results
 
 
 def attempt(rows: list[tuple[str, dict]], name: str, check) -> None:
@@ -276,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--build-only", action="store_true", help="build and load the extension, then stop (needs no GPU)"
     )
+    parser.add_argument(
+        "--sanitize",
+        action="store_true",
+        help="also run tests/kernels under compute-sanitizer's memcheck and racecheck (minutes more)",
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -283,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: this machine has no CUDA device; run it on a GPU machine", file=sys.stderr)
         return 2
     try:
-        build_s = build_extension()
+        build_s, library = build_extension()
     except Exception as e:
         print(f"gpu_check: building csrc/ failed: {e}", file=sys.stderr)
         return 2
@@ -301,16 +372,23 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": build_s,
     }
     pytest_result = run_pytest()
+    if args.sanitize:
+        sanitized = run_sanitizers(library, find_sanitizer())
+        pytest_result += "; " + ", ".join(f"{tool}: {verdict}" for tool, verdict in sanitized.items())
     rows = verdicts(args.quick)
     figures = timings()
-    command = "python3 scripts/gpu_check.py" + (" --quick" if args.quick else "")
+    command = (
+        "python3 scripts/gpu_check.py"
+        + (" --quick" if args.quick else "")
+        + (" --sanitize" if args.sanitize else "")
+    )
     # The formatted report on stdout too: a runner may hand back only its output.
     print(write_report(args.out, machine, pytest_result, rows, figures, command))
     constants = args.out.with_name("simulator-constants.json")
     constants.write_text(json.dumps(simulator_constants(figures), indent=2) + "\n")
     print(f"gpu_check: wrote {args.out} and {constants} (capacity simulate --constants)")
     exact = all(result["bit_exact"] for _, result in rows)
-    return 0 if exact and not figures["failures"] and not pytest_result.startswith("FAILED") else 1
+    return 0 if exact and not figures["failures"] and "FAILED" not in pytest_result else 1
 
 
 if __name__ == "__main__":

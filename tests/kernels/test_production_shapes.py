@@ -98,4 +98,8 @@ def test_an_8k_token_chunk_of_pages_copies_bit_for_bit(kernel_ops, row_kind, to_
 @pytest.mark.gpu
 def test_out_of_bounds_indices_raise_the_error_word_and_write_nothing(kernel_ops):
     result = check_out_of_bounds_kernels()
-    assert result == {"row_copy_flags_and_skips": True, "page_copy_flags_and_skips": True}
+    assert result == {
+        "row_copy_flags_and_skips": True,
+        "row_copy_stays_in_its_layer": True,
+        "page_copy_flags_and_skips": True,
+    }

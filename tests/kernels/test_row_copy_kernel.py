@@ -9,7 +9,8 @@ import torch
 from kernel_build import compile_for_sm90a, hisparse_ops
 from resolver_cases import BLOCK, StagingOverflow, brute_force, build
 
-from vllm.v1.hisparse.resolver import HotState, copy_host_rows, resolve_topk_slots
+from vllm.v1.hisparse.ops import narrow_copy_launches
+from vllm.v1.hisparse.resolver import ERROR_ROW_OUT_OF_BOUNDS, HotState, copy_host_rows, resolve_topk_slots
 
 
 def test_row_copy_kernel_compiles_for_sm90a(tmp_path):
@@ -48,9 +49,38 @@ def test_kernel_copies_exactly_the_masked_rows(kernel_ops):
         src = torch.randint(0, 64, (48,), generator=g)
         copy = torch.rand(48, generator=g) < 0.6
         copy_host_rows(expected, dst, host, src, copy, use_kernel=False)
+        before = narrow_copy_launches()
         copy_host_rows(device, dst.cuda(), host, src.cuda(), copy.cuda(), use_kernel=True)
         torch.cuda.synchronize()
         assert torch.equal(device.cpu(), expected)
+        # 16-byte words unless the row or the device stride is not a multiple of 16 bytes.
+        size = torch.empty((), dtype=dtype).element_size()
+        narrow = (width * size) % 16 != 0 or ((width + 8) * size) % 16 != 0
+        assert narrow_copy_launches() - before == narrow, (width, dtype)
+
+
+@pytest.mark.gpu
+def test_kernel_skips_a_destination_between_the_layers_blocks_and_flags_it(kernel_ops):
+    """Two layers share a block-outermost allocation: layer 0's rows view spans layer 1's
+    pages between its blocks, and a destination there is skipped and flagged."""
+    storage = torch.zeros(3, 2, 4, 656, dtype=torch.uint8, device="cuda")  # [block, layer, row, byte]
+    rows = storage.flatten().as_strided((2 * 8 + 4, 656), (656, 1))  # layer 0, block stride 8 rows
+    host = (torch.arange(4 * 656) % 251).to(torch.uint8).reshape(4, 656).pin_memory()
+    error = torch.zeros((), dtype=torch.int64, device="cuda")
+    copy_host_rows(
+        rows,
+        torch.tensor([1, 8 + 5], device="cuda"),
+        host,
+        torch.tensor([0, 1], device="cuda"),
+        torch.ones(2, dtype=torch.bool, device="cuda"),
+        error=error,
+        block_stride_rows=8,
+        block_rows=4,
+    )
+    torch.cuda.synchronize()
+    assert int(error) == ERROR_ROW_OUT_OF_BOUNDS
+    assert torch.equal(storage[0, 0, 1].cpu(), host[0])
+    assert not storage[:, 1].any(), "layer 1's rows are untouched"
 
 
 @pytest.mark.gpu

@@ -118,9 +118,12 @@ def test_the_extension_is_stripped_and_built_for_hopper_and_blackwell(extracted)
 def test_it_loads_and_registers_the_ops_with_their_schemas(probe):
     assert probe["problem"] is None
     assert probe["torch_cuda"]
+    # The op without tensor arguments answers without a device (no copy has run).
+    assert probe["narrow_copy_launches"] == 0
     assert probe["schemas"] == {
         "copy_host_rows": "_hisparse_C::copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, "
-        "Tensor host_rows, Tensor src_rows, Tensor copy, Tensor(b!) error) -> ()",
+        "Tensor host_rows, Tensor src_rows, Tensor copy, Tensor(b!) error, int block_stride_rows, "
+        "int block_rows) -> ()",
         "copy_pages": "_hisparse_C::copy_pages(Tensor(a!)[] kv_caches, Tensor(b!) host_pool, "
         "Tensor block_ids, Tensor host_pages, bool to_host, Tensor(c!) error) -> ()",
         "plan_resolution": "_hisparse_C::plan_resolution(Tensor positions, Tensor token_requests, "
@@ -144,6 +147,9 @@ def test_cpu_tensors_get_an_error_naming_the_reference_to_call(probe):
 def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
     assert probe["meta_shape_errors"]["copy_host_rows"] == (
         "RuntimeError: kv_rows rows are 656 bytes, host_rows rows 600"
+    )
+    assert probe["meta_shape_errors"]["copy_host_rows_block_rows"] == (
+        "RuntimeError: block_rows must be positive and at most block_stride_rows, got 33 and 32"
     )
     copy_pages_error = probe["meta_shape_errors"]["copy_pages"]
     assert copy_pages_error.startswith("RuntimeError: block_ids must be a contiguous int64")

@@ -27,6 +27,7 @@ def main(root: str) -> dict:
         return report
     namespace = torch.ops._hisparse_C
     report["schemas"] = {op: str(getattr(namespace, op).default._schema) for op in ops.OPS}
+    report["narrow_copy_launches"] = ops.narrow_copy_launches()
 
     def error_of(call) -> str | None:
         try:
@@ -35,7 +36,7 @@ def main(root: str) -> dict:
             return f"{type(e).__name__}: {str(e).splitlines()[0]}"
         return None
 
-    def rows_args(device: str, host_width: int = 656):
+    def rows_args(device: str, host_width: int = 656, block_rows: int = 16):
         long = dict(dtype=torch.int64, device=device)
         return (
             torch.zeros(64, 656, dtype=torch.uint8, device=device),
@@ -44,6 +45,8 @@ def main(root: str) -> dict:
             torch.zeros(8, **long),
             torch.zeros(8, dtype=torch.bool, device=device),
             torch.zeros((), **long),
+            32,
+            block_rows,
         )
 
     def pages_args(device: str, block_columns: int = 3):
@@ -84,6 +87,9 @@ def main(root: str) -> dict:
     }
     report["meta_shape_errors"] = {
         "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("meta", host_width=600))),
+        "copy_host_rows_block_rows": error_of(
+            lambda: namespace.copy_host_rows(*rows_args("meta", block_rows=33))
+        ),
         "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("meta", block_columns=2))),
         "plan_resolution": error_of(lambda: namespace.plan_resolution(*plan_args("meta", max_entries=12))),
         "plan_resolution_topk_0": error_of(lambda: namespace.plan_resolution(*plan_args("meta", topk=0))),

@@ -32,12 +32,18 @@ def compile_for_sm90a(source: str, out_dir: Path) -> Path:
 
 
 def hisparse_ops(build_dir: Path):
-    """torch.ops._hisparse_C: from the installed wheel if it carries the extension, else
-    every csrc/ source built just in time (needs CUDA torch and nvcc)."""
+    """torch.ops._hisparse_C: the library HISPARSE_EXTENSION_LIBRARY names (gpu_check's
+    build, for its runs under compute-sanitizer), else the installed wheel's if it carries
+    the extension, else every csrc/ source built just in time (needs CUDA torch and nvcc)."""
+    import os
+
     import torch
 
-    from vllm.v1.hisparse.ops import cuda_kernels_available
+    from vllm.v1.hisparse.ops import cuda_kernels_available, ops_registered
 
+    library = os.environ.get("HISPARSE_EXTENSION_LIBRARY")
+    if library and not ops_registered():
+        torch.ops.load_library(library)
     if not cuda_kernels_available():
         from torch.utils.cpp_extension import load
 

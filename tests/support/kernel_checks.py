@@ -380,6 +380,23 @@ def check_out_of_bounds_kernels() -> dict:
     )
     torch.cuda.synchronize()
     rows_ok = int(error) == ERROR_ROW_OUT_OF_BOUNDS and not kv.any()
+    # Two layers in one block-outermost allocation: layer 0's rows view spans layer 1's
+    # pages between its blocks (block stride 8 rows, 4 of them layer 0's).
+    storage = torch.zeros((3, 2, 4, 656), dtype=torch.uint8, device="cuda")
+    error.zero_()
+    copy_host_rows(
+        storage.flatten().as_strided((2 * 8 + 4, 656), (656, 1)),
+        torch.tensor([1, 8 + 5], device="cuda"),
+        host,
+        torch.tensor([0, 1], device="cuda"),
+        torch.ones(2, dtype=torch.bool, device="cuda"),
+        error=error,
+        block_stride_rows=8,
+        block_rows=4,
+    )
+    torch.cuda.synchronize()
+    layer_ok = int(error) == ERROR_ROW_OUT_OF_BOUNDS and bool(storage[0, 0, 1].eq(7).all())
+    layer_ok = layer_ok and not storage[:, 1].any()
     case = page_copy_case(2, 2, 656, device="cuda")
     expected = case.storage.cpu()
     expected[0, 0] = case.host_pool[0, 0]  # page 0 of layer 0 is in bounds and copied
@@ -396,7 +413,11 @@ def check_out_of_bounds_kernels() -> dict:
     )
     torch.cuda.synchronize()
     pages_ok = int(error) == ERROR_PAGE_OUT_OF_BOUNDS and torch.equal(case.storage.cpu(), expected)
-    return {"row_copy_flags_and_skips": rows_ok, "page_copy_flags_and_skips": pages_ok}
+    return {
+        "row_copy_flags_and_skips": rows_ok,
+        "row_copy_stays_in_its_layer": layer_ok,
+        "page_copy_flags_and_skips": pages_ok,
+    }
 
 
 WORKER_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")

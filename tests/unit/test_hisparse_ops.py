@@ -59,3 +59,30 @@ def test_gpu_check_stops_with_a_reason_on_a_machine_without_cuda():
     )
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr
+
+
+def test_gpu_check_sanitize_runs_the_kernel_tests_under_each_tool_and_reports_its_verdict(tmp_path):
+    """`gpu_check --sanitize` without a GPU: the commands it runs, and how it reads their
+    exit status (a stand-in sanitizer: the real one needs a device)."""
+    import gpu_check
+
+    library = tmp_path / "_hisparse_C.abi3.so"
+    assert gpu_check.run_sanitizers(library, None) == {
+        "memcheck": "not run: compute-sanitizer is not in this CUDA toolkit",
+        "racecheck": "not run: compute-sanitizer is not in this CUDA toolkit",
+    }
+    commands = gpu_check.sanitizer_commands(tmp_path / "compute-sanitizer", library)
+    assert [tool for tool, _, _ in commands] == ["memcheck", "racecheck"]
+    for tool, command, env in commands:
+        assert command[:5] == [str(tmp_path / "compute-sanitizer"), "--tool", tool, "--error-exitcode", "97"]
+        assert command[6:8] == ["-m", "pytest"] and command[-2].endswith("tests/kernels")
+        assert env[gpu_check.EXTENSION_LIBRARY_ENV] == str(library)
+    stand_in = tmp_path / "compute-sanitizer"
+    stand_in.write_text(
+        '#!/bin/sh\n[ "$2" = racecheck ] && exit 97\n[ -n "$HISPARSE_EXTENSION_LIBRARY" ] || exit 3\nexit 0\n'
+    )
+    stand_in.chmod(0o755)
+    assert gpu_check.run_sanitizers(library, stand_in) == {
+        "memcheck": "passed",
+        "racecheck": "FAILED (exit 97: its own finding)",
+    }

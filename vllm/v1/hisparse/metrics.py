@@ -165,6 +165,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "a chunk that may select more host rows than its hot buffer and staging hold.",
         "partitioned_plans",
     ),
+    "vllm:hisparse_narrow_copy_launches": (
+        "Row and page copy launches that copied byte by byte because a row, page, stride or "
+        "address was not 16-byte aligned (CUDA; the engine log warns once).",
+        "narrow_copy_launches",
+    ),
     "vllm:hisparse_attention_calls": (
         "Attention kernel calls of HiSparse-managed layers (one per layer per step).",
         "attention_calls",

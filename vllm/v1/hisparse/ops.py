@@ -68,6 +68,14 @@ def _load(package_dir: Path) -> str | None:
     return None
 
 
+def narrow_copy_launches() -> int:
+    """Copy launches of this process that copied byte by byte because something was not
+    16-byte aligned (the extension warns once per kind); 0 without the extension."""
+    if not ops_registered():
+        return 0
+    return int(torch.ops._hisparse_C.narrow_copy_launches())
+
+
 def cuda_kernels_available() -> bool:
     """Whether the compiled kernels can run here: a CUDA device and the extension loaded."""
     return torch.cuda.is_available() and extension_problem() is None

@@ -39,8 +39,9 @@ DEVICE_COUNTERS = ("rows_loaded", "rows_hit", "rows_staged")
 # in several), attention kernel calls of managed layers (one per layer and step),
 # steps whose forward ran those layers, steps that resolved, the most resolver calls
 # one layer made in one step, the most bytes a step's resolution plans held at once
-# (docs/architecture.md, "Plan memory"), and the host pools the engine's ranks write
-# (one per node they span).
+# (docs/architecture.md, "Plan memory"), the host pools the engine's ranks write
+# (one per node they span), and the copy launches that fell back to byte-by-byte
+# copies for want of 16-byte alignment (CUDA).
 HOST_COUNTERS = (
     "worker_steps",
     "resolution_plans",
@@ -53,6 +54,7 @@ HOST_COUNTERS = (
     "max_resolver_calls_per_layer_step",
     "max_plan_bytes",
     "max_host_pools",
+    "narrow_copy_launches",
 )
 # All of them, and the host's reads of device-produced values. Names starting with
 # "max_" are maxima; the rest add up over steps.

@@ -367,13 +367,31 @@ class HiSparseResolution:
         self._resolved_layers[layer_name] = self._resolved_layers.get(layer_name, 0) + 1
         if tokens is None:
             if len(passes) == 1:
-                return apply_resolution(plan, rows, slot_rows, kv_rows, host_rows, copy_rows, self.error)
+                return apply_resolution(
+                    plan,
+                    rows,
+                    slot_rows,
+                    kv_rows,
+                    host_rows,
+                    copy_rows,
+                    self.error,
+                    stride_rows,
+                    self.block_size,
+                )
             selected = pass_tokens
         else:
             selected = tokens[pass_tokens]  # the pass's tokens among the call's
         resolved = rows.clone()
         resolved[selected] = apply_resolution(
-            plan, rows[selected], slot_rows, kv_rows, host_rows, copy_rows, self.error
+            plan,
+            rows[selected],
+            slot_rows,
+            kv_rows,
+            host_rows,
+            copy_rows,
+            self.error,
+            stride_rows,
+            self.block_size,
         )
         return resolved
 

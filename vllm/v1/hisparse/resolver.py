@@ -213,7 +213,9 @@ def _plan_fused(
     plan, inputs, outputs = fused_plan_buffers(
         positions, token_requests, host_page_table, table_rows, staging_slots
     )
-    torch.ops._hisparse_C.plan_resolution(*inputs, hot.positions, hot.stamps, block_size, step, *shape, *outputs)
+    torch.ops._hisparse_C.plan_resolution(
+        *inputs, hot.positions, hot.stamps, block_size, step, *shape, *outputs
+    )
     return plan
 
 
@@ -666,6 +668,8 @@ def apply_resolution(
     host_rows: torch.Tensor,
     copy_rows: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
+    block_stride_rows: int | None = None,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """Replay `plan` for one layer: copy its misses, return the rows attention reads.
 
@@ -675,7 +679,8 @@ def apply_resolution(
     space of `rows`. copy_rows: the same slots as rows of `kv_rows` (default
     `slot_rows`: the same index space); misses are copied there from
     `host_rows`, this layer's host pool as rows. `error`: the step's error word
-    the row copy kernel raises bits in (default: the plan's own).
+    the row copy kernel raises bits in (default: the plan's own). block_stride_rows,
+    block_rows: the layer's rows within `kv_rows` (see `copy_host_rows`).
     """
     copy_rows = slot_rows if copy_rows is None else copy_rows
     destination = copy_rows[plan.load_request, plan.load_slot]
@@ -686,6 +691,8 @@ def apply_resolution(
         plan.load_host_row,
         plan.load,
         error=plan.error if error is None else error,
+        block_stride_rows=block_stride_rows,
+        block_rows=block_rows,
     )
     resolved = slot_rows[plan.entry_request, plan.entry_slot].to(rows.dtype)
     return torch.where(plan.on_host, resolved, rows)
@@ -699,12 +706,17 @@ def copy_host_rows(
     copy: torch.Tensor,
     use_kernel: bool | None = None,
     error: torch.Tensor | None = None,
+    block_stride_rows: int | None = None,
+    block_rows: int | None = None,
 ) -> None:
     """For every i with copy[i]: device row dst_rows[i] of kv_rows = host row src_rows[i].
 
     The entries are a plan's fixed-size per-entry arrays, masked by `copy`, so
     nothing waits for a count. Copied entries must not share a destination and
-    every row must lie in its table. On CUDA caches the extension's kernel reads
+    every row must lie in its table, and in its layer: where layers share a
+    block-outermost allocation, kv_rows spans them all and block b's rows of this
+    layer are b * block_stride_rows + [0, block_rows) (default: every row of
+    kv_rows is the layer's). On CUDA caches the extension's kernel reads
     the pinned host pool through its device mapping, ordered on the current
     stream (csrc/hisparse_row_copy.cu): it skips an entry out of bounds and sets
     ERROR_ROW_OUT_OF_BOUNDS in `error`, the step's error word, which the worker
@@ -714,6 +726,13 @@ def copy_host_rows(
     """
     if use_kernel is None:
         use_kernel = kv_rows.is_cuda and cuda_kernels_available()
+    if block_stride_rows is None or block_rows is None:
+        block_stride_rows = block_rows = max(kv_rows.shape[0], 1)
+    if not 0 < block_rows <= block_stride_rows:
+        raise ValueError(
+            f"block_rows must be positive and at most block_stride_rows, got {block_rows} and "
+            f"{block_stride_rows}"
+        )
     if use_kernel:
         own_error = error is None
         word = torch.zeros((), dtype=torch.int64, device=kv_rows.device) if own_error else error
@@ -724,6 +743,8 @@ def copy_host_rows(
             src_rows.long().contiguous(),
             copy.contiguous(),
             word,
+            block_stride_rows,
+            block_rows,
         )
         if own_error:
             assert word is not None
@@ -736,6 +757,11 @@ def copy_host_rows(
         low, high = (int(v) for v in torch.aminmax(dst))
         if low < 0 or high >= kv_rows.shape[0]:
             raise ResolverError(f"HiSparse row copy: a destination row is outside [0, {kv_rows.shape[0]})")
+        if block_rows < block_stride_rows and bool(((dst % block_stride_rows) >= block_rows).any()):
+            raise ResolverError(
+                f"HiSparse row copy: a destination row lies between this layer's blocks (rows "
+                f"[{block_rows}, {block_stride_rows}) of a block stride belong to other layers)"
+            )
         low, high = (int(v) for v in torch.aminmax(src))
         if low < 0 or high >= host_rows.shape[0]:
             raise ResolverError(f"HiSparse row copy: a host row is outside [0, {host_rows.shape[0]})")

@@ -48,7 +48,7 @@ from vllm.logger import init_logger
 from vllm.v1.hisparse.host_memory import HostPoolMemory
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_group_ids
 from vllm.v1.hisparse.kv_import import register_host_pool_layers
-from vllm.v1.hisparse.ops import require_cuda_kernels
+from vllm.v1.hisparse.ops import narrow_copy_launches, require_cuda_kernels
 from vllm.v1.hisparse.page_copy import copy_pages
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
 from vllm.v1.hisparse.pool_placement import PoolPlacement, pool_placement
@@ -195,6 +195,7 @@ class HiSparseWorker:
         placement = placement if placement is not None else PoolPlacement.alone()
         self.writes_pages = placement.writer
         self.num_pools = placement.num_pools
+        self._narrow_copy_launches = narrow_copy_launches()
         self.host_memory = HostPoolMemory(
             (len(self.layers), num_host_pages, self.block_size, width),
             first.dtype,
@@ -277,6 +278,9 @@ class HiSparseWorker:
                 # The node's other ranks hold the same latent rows: one copy serves them all.
                 self._copy_pages(plan, plan.copies, to_host=True, error=error)
             host_counts["max_host_pools"] = self.num_pools
+            launches = narrow_copy_launches()  # a host counter: no device read
+            host_counts["narrow_copy_launches"] = launches - self._narrow_copy_launches
+            self._narrow_copy_launches = launches
             copies = [c.copy_id for c in plan.copies]
             self.reports.submit(copies, device_counts, error, host_counts, request_errors)
         elif not self.reports.pending():
