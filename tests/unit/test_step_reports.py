@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -111,3 +113,92 @@ def test_a_step_without_a_plan_still_collects_the_reports_that_are_done():
     assert out.hisparse_copied == [41, 42] and out.hisparse_counters["rows_loaded"] == 5
     worker.begin_step(step)
     assert not hasattr(worker.finish_step(SimpleNamespace()), "hisparse_copied"), "nothing left to say"
+
+
+class RecordingStream:
+    def __init__(self, log: list[tuple], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_stream(self, other: RecordingStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+class RecordingCuda:
+    """A stand-in for torch.cuda's streams and events (the real ones need a GPU) that
+    records, in order, what the worker asks of them."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.current = RecordingStream(self.log, "compute")
+        self.events: list[FakeEvent] = []
+
+    def Stream(self, device=None) -> RecordingStream:
+        return RecordingStream(self.log, "copy")
+
+    def current_stream(self, device=None) -> RecordingStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: RecordingStream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def Event(self) -> FakeEvent:
+        event = FakeEvent()
+        event.record = lambda stream: self.log.append(("record", stream.name))
+        self.events.append(event)
+        return event
+
+
+def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report_after_its_event():
+    """The writing rank's post-forward copies go to a side stream that first waits for the
+    compute stream (the forward wrote the pages), and are reported durable only once the
+    event recorded after them on that stream has passed; their own error word comes back
+    with them."""
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.page_copy import ERROR_PAGE_OUT_OF_BOUNDS
+    from vllm.v1.hisparse.plan import PageCopy
+    from vllm.v1.hisparse.worker import HiSparseWorker, PageCopyStream
+
+    layer = "model.layers.0.self_attn.attn"
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})
+    cache = torch.arange(4 * 64 * 8, dtype=torch.float32).reshape(4, 64, 8)
+    worker = HiSparseWorker(runner, {layer: cache}, group_of_layer={layer: 0}, hot_rows=64, num_host_pages=2)
+    cuda = RecordingCuda()
+    worker.copy_stream = PageCopyStream(torch.device("cpu"), cuda=cuda)
+    launched = worker._copy_pages
+
+    def copy_pages(plan, pages, to_host, error):
+        cuda.log.append(("copy", cuda.current.name, to_host, error is worker.resolution.error))
+        launched(plan, pages, to_host, error)
+
+    worker._copy_pages = copy_pages
+    step = SimpleNamespace(
+        hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None, num_scheduled_tokens={}
+    )
+
+    def run_step(copies):
+        worker.begin_step(step)
+        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,))
+        return worker.finish_step(SimpleNamespace())
+
+    out = run_step([PageCopy(7, "r", 0, (2,), 1)])
+    assert cuda.log == [("wait", "copy", "compute"), ("copy", "copy", True, False), ("record", "copy")]
+    assert torch.equal(worker.host_pool[0, 1], cache[2]), "the copy ran (in place here)"
+    assert out.hisparse_copied == [], "its event has not passed: not durable yet"
+    out = run_step([])
+    assert out.hisparse_copied == [] and len(cuda.log) == 3, "a step without copies launches nothing"
+    cuda.events[0].done = True
+    out = run_step([])
+    assert out.hisparse_copied == [7] and out.hisparse_failed is None
+    # An out-of-bounds page raises its bit in the copies' own word, which stops the engine
+    # once their event has passed.
+    run_step([PageCopy(8, "r", 1, (3,), 0)])
+    worker.reports._pending[-1].copies_out.error[0] = ERROR_PAGE_OUT_OF_BOUNDS
+    cuda.events[-1].done = True
+    with pytest.raises(ResolverError, match="page copy"):
+        run_step([])

@@ -16,7 +16,8 @@ Owns, per worker:
   block) to the runner's request states and persistent batch, and its
   residency deltas, handed to the resolution (`resolution.py`);
 - after the forward, on the node's writing rank only, the step's planned
-  device->host page copies for all sparse-MLA layers in one launch; on every
+  device->host page copies for all sparse-MLA layers in one launch, on CUDA on a
+  copy stream beside the next step's forward (`PageCopyStream`); on every
   rank, the reports the scheduler reads from `ModelRunnerOutput`: the copies
   known durable, the resolver's counters, and the requests whose own error
   bits fail them (an error bit no request claims raises). On CUDA nothing
@@ -30,7 +31,7 @@ the KV cache only through the planned copies; the resolution loads rows.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from copy import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,8 +74,64 @@ logger = init_logger(__name__)
 
 
 @dataclass
+class CopiesOut:
+    """A step's device->host page copies launched on the copy stream: done once `event`
+    has passed, and then `error` (host memory) holds their own error word."""
+
+    event: Any
+    error: torch.Tensor
+
+
+class PageCopyStream:
+    """Where a step's post-forward page copies (device -> host) run.
+
+    On CUDA, a side stream: it first waits for the work queued on the compute stream so
+    far (the forward that wrote the pages), then copies and records an event, so the
+    next step's forward runs beside the copies instead of after them (on the writing
+    rank; the node's other ranks no longer wait for it at their next collective). That
+    is safe because a copy's source blocks and destination host page stay its own until
+    the scheduler reads it durable, which is after the event: a page with a copy in
+    flight is never demoted, and an ended request's copies keep their blocks and host
+    pages (`residency.py`, orphans); and what the copy allocates (its indices and error
+    word) is allocated on the side stream. The copies' error bits go to a word of their
+    own, read from host memory after the event. Restores and the resolver's row copies
+    stay on the compute stream: blocks the scheduler frees for the next step may still
+    be read by the forward queued before it, and layer L's rows are needed right after
+    its indexer, so neither has anything to overlap with (docs/kernels.md).
+    On other devices the copies run in place, with the step's error word.
+
+    `cuda`: torch.cuda, or a stand-in with its Stream, Event, current_stream and stream.
+    """
+
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
+        self.device = device
+        self._cuda = cuda if cuda is not None else (torch.cuda if device.type == "cuda" else None)
+        self._stream = self._cuda.Stream(device=device) if self._cuda is not None else None
+
+    def launch(
+        self, copy_pages: Callable[[torch.Tensor], None], step_error: torch.Tensor
+    ) -> CopiesOut | None:
+        """Run `copy_pages(error_word)`: on the copy stream (returned: when it is done), or
+        in place with the step's error word (None: done)."""
+        if self._stream is None:
+            copy_pages(step_error)
+            return None
+        cuda = self._cuda
+        self._stream.wait_stream(cuda.current_stream(self.device))
+        with cuda.stream(self._stream):
+            word = torch.zeros(1, dtype=torch.int64, device=self.device)
+            copy_pages(word)
+            error = torch.empty(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            error.copy_(word, non_blocking=True)
+            event = cuda.Event()
+            event.record(self._stream)
+        return CopiesOut(event, error)
+
+
+@dataclass
 class _StepReport:
-    """What one step leaves to report: its copies and counters, done once `event` has passed."""
+    """What one step leaves to report: its copies and counters, done once `event` has
+    passed (and, for copies on the copy stream, `copies_out.event`)."""
 
     copies: Sequence[int]  # copy ids
     # DEVICE_COUNTERS, the step's error bits, then each of `request_ids`' own error bits.
@@ -82,6 +139,12 @@ class _StepReport:
     host_counts: dict[str, int]
     event: Any = None  # a CUDA event recorded after the step's copies; None on CPU
     request_ids: list[str] = field(default_factory=list)
+    copies_out: CopiesOut | None = None
+
+    def done(self) -> bool:
+        return (self.event is None or self.event.query()) and (
+            self.copies_out is None or self.copies_out.event.query()
+        )
 
 
 class StepReports:
@@ -104,6 +167,7 @@ class StepReports:
         error: torch.Tensor,
         host_counts: dict[str, int],
         request_errors: StepRequestErrors | None = None,
+        copies_out: CopiesOut | None = None,
     ) -> None:
         parts = [device_counts, error.reshape(1)]
         request_ids: list[str] = []
@@ -112,13 +176,13 @@ class StepReports:
             request_ids = request_errors.request_ids
         values = torch.cat(parts)
         if self.device.type != "cuda":
-            self._pending.append(_StepReport(copies, values, host_counts, None, request_ids))
+            self._pending.append(_StepReport(copies, values, host_counts, None, request_ids, copies_out))
             return
         pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         pinned.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids))
+        self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids, copies_out))
 
     def pending(self) -> bool:
         """Whether a submitted step's report has not been collected yet."""
@@ -137,11 +201,14 @@ class StepReports:
         error = 0
         failed: dict[str, int] = {}
         num_counts = len(DEVICE_COUNTERS)
-        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+        while self._pending and self._pending[0].done():
             report = self._pending.popleft()
             copies.extend(report.copies)
             read = report.device_counts.tolist()
             values, step_error = read[:num_counts], read[num_counts]
+            if report.copies_out is not None:
+                step_error |= int(report.copies_out.error[0])
+                counters["device_reads"] += 1
             for request_id, bits in zip(report.request_ids, read[num_counts + 1 :], strict=True):
                 if bits:
                     failed[request_id] = failed.get(request_id, 0) | bits
@@ -220,6 +287,7 @@ class HiSparseWorker:
             max_pages=max_pages if max_pages is not None else num_host_pages,
         )
         self.reports = StepReports(first.device)
+        self.copy_stream = PageCopyStream(first.device)
         sharing = ""
         if len(placement.node_ranks) > 1:
             role = "written" if self.writes_pages else "read"
@@ -274,15 +342,18 @@ class HiSparseWorker:
         device_counts, error, host_counts, request_errors = self.resolution.end_step()
         plan, self._plan = self._plan, None
         if plan is not None:
-            if self.writes_pages:
+            copies_out = None
+            if self.writes_pages and plan.copies:
                 # The node's other ranks hold the same latent rows: one copy serves them all.
-                self._copy_pages(plan, plan.copies, to_host=True, error=error)
+                copies_out = self.copy_stream.launch(
+                    lambda word: self._copy_pages(plan, plan.copies, to_host=True, error=word), error
+                )
             host_counts["max_host_pools"] = self.num_pools
             launches = narrow_copy_launches()  # a host counter: no device read
             host_counts["narrow_copy_launches"] = launches - self._narrow_copy_launches
             self._narrow_copy_launches = launches
             copies = [c.copy_id for c in plan.copies]
-            self.reports.submit(copies, device_counts, error, host_counts, request_errors)
+            self.reports.submit(copies, device_counts, error, host_counts, request_errors, copies_out)
         elif not self.reports.pending():
             return output
         # Every step collects what is done, a step without a plan too, so no report waits
