@@ -105,7 +105,7 @@ class PageCopyStream:
 
     def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self.device = device
-        self._cuda = cuda if cuda is not None else (torch.cuda if device.type == "cuda" else None)
+        self._cuda: Any = cuda if cuda is not None else (torch.cuda if device.type == "cuda" else None)
         self._stream = self._cuda.Stream(device=device) if self._cuda is not None else None
 
     def launch(
