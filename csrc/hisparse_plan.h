@@ -127,6 +127,39 @@ HS_HD void bitonic_sort(int64_t* a, int64_t n) {
   }
 }
 
+// In place: a[0..kPlanThreads) becomes its inclusive scan under `op` (associative), in
+// parallel: a work-efficient (Brent-Kung) scan, log2(kPlanThreads) up-sweep steps and one
+// fewer down-sweep steps. In each step every index writes one element and reads another
+// that no index writes in that step, and a barrier ends each step, so the block's threads
+// (or the host build's virtual threads, one after another) never race.
+template <typename Op>
+HS_HD void scan_partials(int64_t* a, Op op) {
+  static_assert((kPlanThreads & (kPlanThreads - 1)) == 0, "the scan needs a power of two");
+  for (int64_t d = 1; d < kPlanThreads; d <<= 1) {
+    HS_FOR_THREADS(t) {
+      const int64_t i = (t + 1) * 2 * d - 1;  // = 2d - 1 (mod 2d); reads d - 1 (mod 2d)
+      if (i < kPlanThreads) a[i] = op(a[i - d], a[i]);
+    }
+    HS_SYNC();
+  }
+  for (int64_t d = kPlanThreads / 4; d >= 1; d >>= 1) {
+    HS_FOR_THREADS(t) {
+      const int64_t i = (t + 1) * 2 * d - 1;  // writes i + d = d - 1 (mod 2d)
+      if (i + d < kPlanThreads) a[i + d] = op(a[i], a[i + d]);
+    }
+    HS_SYNC();
+  }
+}
+
+struct ScanSum {
+  HS_HD int64_t operator()(int64_t left, int64_t right) const { return left + right; }
+};
+
+// The last value that is not -1: a run's slot carried forward.
+struct ScanCarry {
+  HS_HD int64_t operator()(int64_t left, int64_t right) const { return right != -1 ? right : left; }
+};
+
 // Exclusive prefix sum of values[0..n) into out (out may alias values), split into
 // kPlanThreads contiguous chunks; returns the total (valid after the call, in scratch).
 HS_HD void exclusive_scan(const int32_t* values, int32_t* out, int64_t n, int64_t* partial) {
@@ -135,13 +168,10 @@ HS_HD void exclusive_scan(const int32_t* values, int32_t* out, int64_t n, int64_
     int64_t sum = 0;
     for (int64_t i = t * chunk; i < n && i < (t + 1) * chunk; ++i) sum += values[i];
     partial[t + 1] = sum;
+    if (t == 0) partial[0] = 0;
   }
   HS_SYNC();
-  HS_SINGLE {
-    partial[0] = 0;
-    for (int t = 0; t < kPlanThreads; ++t) partial[t + 1] += partial[t];
-  }
-  HS_SYNC();
+  scan_partials(partial + 1, ScanSum());
   HS_FOR_THREADS(t) {
     int64_t running = partial[t];
     for (int64_t i = t * chunk; i < n && i < (t + 1) * chunk; ++i) {
@@ -162,15 +192,10 @@ HS_HD void fill_forward(int32_t* values, int64_t n, int64_t* partial) {
       if (values[i] != -1) last = values[i];
     }
     partial[t + 1] = last;
+    if (t == 0) partial[0] = -1;
   }
   HS_SYNC();
-  HS_SINGLE {
-    partial[0] = -1;
-    for (int t = 0; t < kPlanThreads; ++t) {
-      if (partial[t + 1] == -1) partial[t + 1] = partial[t];
-    }
-  }
-  HS_SYNC();
+  scan_partials(partial + 1, ScanCarry());
   HS_FOR_THREADS(t) {
     int64_t carried = partial[t];
     for (int64_t i = t * chunk; i < n && i < (t + 1) * chunk; ++i) {
@@ -208,11 +233,11 @@ HS_HD void plan_request(const PlanArgs& a, int64_t m, const PlanScratch& s) {
     }
     if (stray && m == 0) HS_ATOMIC_OR(a.error, kErrorRequestOutOfBounds);
     s.partial[t + 1] = count;
+    if (t == 0) s.partial[0] = 0;
   }
   HS_SYNC();
+  scan_partials(s.partial + 1, ScanSum());
   HS_SINGLE {
-    s.partial[0] = 0;
-    for (int t = 0; t < kPlanThreads; ++t) s.partial[t + 1] += s.partial[t];
     int64_t count = s.partial[kPlanThreads];
     int64_t row = a.table_rows[m];
     if (count > max_tokens || row < 0 || row >= a.table_height) {
