@@ -17,6 +17,7 @@
 
 #include <atomic>
 
+#include "hisparse_apply.h"
 #include "hisparse_page_copy.h"
 #include "hisparse_plan_launch.h"
 #include "hisparse_row_copy.h"
@@ -142,6 +143,124 @@ void copy_host_rows_cpu(at::Tensor&, const at::Tensor&, const at::Tensor&, const
       false,
       "_hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA tensors; for CPU tensors "
       "call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows");
+}
+
+// rows, on_host, entry_request, entry_slot: [T, K] (rows int32/int64, on_host bool, the others
+// int64); load: bool [T * K]; load_request, load_slot, load_host_row: int64 [T * K];
+// slot_rows, copy_rows: int64 [M, W]; kv_rows, host_rows, error, block_stride_rows,
+// block_rows: as copy_host_rows. Every tensor contiguous.
+void check_apply_resolution(const at::Tensor& rows, const at::Tensor& on_host,
+                            const at::Tensor& entry_request, const at::Tensor& entry_slot,
+                            const at::Tensor& slot_rows, const at::Tensor& kv_rows,
+                            const at::Tensor& copy_rows, const at::Tensor& host_rows,
+                            const at::Tensor& load, const at::Tensor& load_request,
+                            const at::Tensor& load_slot, const at::Tensor& load_host_row,
+                            const at::Tensor& error, int64_t block_stride_rows,
+                            int64_t block_rows) {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() &&
+                  (rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong),
+              "rows must be a contiguous [T, K] int32/int64 tensor, got ", rows.sizes(), " ",
+              rows.scalar_type());
+  TORCH_CHECK(on_host.scalar_type() == at::kBool && on_host.sizes() == rows.sizes() &&
+                  on_host.is_contiguous(),
+              "on_host must be a contiguous bool tensor shaped like rows ", rows.sizes());
+  for (const auto* t : {&entry_request, &entry_slot}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->sizes() == rows.sizes() && t->is_contiguous(),
+                "entry_request and entry_slot must be contiguous int64 tensors shaped like rows ",
+                rows.sizes());
+  }
+  const int64_t n = rows.numel();
+  TORCH_CHECK(load.scalar_type() == at::kBool && load.dim() == 1 && load.numel() == n &&
+                  load.is_contiguous(),
+              "load must be a contiguous bool [", n, "] tensor");
+  for (const auto* t : {&load_request, &load_slot, &load_host_row}) {
+    check_index(*t, "a load array");
+    TORCH_CHECK(t->numel() == n, "the load arrays must have ", n, " entries, got ", t->numel());
+  }
+  TORCH_CHECK(slot_rows.scalar_type() == at::kLong && slot_rows.dim() == 2 &&
+                  slot_rows.is_contiguous() && copy_rows.sizes() == slot_rows.sizes() &&
+                  copy_rows.scalar_type() == at::kLong && copy_rows.is_contiguous(),
+              "slot_rows and copy_rows must be contiguous int64 [M, W] tensors of one shape, got ",
+              slot_rows.sizes(), " and ", copy_rows.sizes());
+  check_copy_host_rows(kv_rows, load_request, host_rows, load_host_row, load, error,
+                       block_stride_rows, block_rows);
+  for (const auto* t :
+       {&rows, &on_host, &entry_request, &entry_slot, &slot_rows, &copy_rows, &load_slot})
+    check_same_device(*t, kv_rows, "an index");
+}
+
+at::Tensor apply_resolution_meta(const at::Tensor& rows, const at::Tensor& on_host,
+                                 const at::Tensor& entry_request, const at::Tensor& entry_slot,
+                                 const at::Tensor& slot_rows, at::Tensor& kv_rows,
+                                 const at::Tensor& copy_rows, const at::Tensor& host_rows,
+                                 const at::Tensor& load, const at::Tensor& load_request,
+                                 const at::Tensor& load_slot, const at::Tensor& load_host_row,
+                                 at::Tensor& error, int64_t block_stride_rows, int64_t block_rows) {
+  check_apply_resolution(rows, on_host, entry_request, entry_slot, slot_rows, kv_rows, copy_rows,
+                         host_rows, load, load_request, load_slot, load_host_row, error,
+                         block_stride_rows, block_rows);
+  return at::empty_like(rows);
+}
+
+at::Tensor apply_resolution_cuda(const at::Tensor& rows, const at::Tensor& on_host,
+                                 const at::Tensor& entry_request, const at::Tensor& entry_slot,
+                                 const at::Tensor& slot_rows, at::Tensor& kv_rows,
+                                 const at::Tensor& copy_rows, const at::Tensor& host_rows,
+                                 const at::Tensor& load, const at::Tensor& load_request,
+                                 const at::Tensor& load_slot, const at::Tensor& load_host_row,
+                                 at::Tensor& error, int64_t block_stride_rows, int64_t block_rows) {
+  check_apply_resolution(rows, on_host, entry_request, entry_slot, slot_rows, kv_rows, copy_rows,
+                         host_rows, load, load_request, load_slot, load_host_row, error,
+                         block_stride_rows, block_rows);
+  TORCH_CHECK(kv_rows.is_cuda(), "kv_rows must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(kv_rows.device());
+  at::Tensor resolved = at::empty_like(rows);
+  hisparse::ApplyArgs args{};
+  args.rows = rows.data_ptr();
+  args.resolved = resolved.data_ptr();
+  args.on_host = on_host.data_ptr<bool>();
+  args.entry_request = entry_request.data_ptr<int64_t>();
+  args.entry_slot = entry_slot.data_ptr<int64_t>();
+  args.load = load.data_ptr<bool>();
+  args.load_request = load_request.data_ptr<int64_t>();
+  args.load_slot = load_slot.data_ptr<int64_t>();
+  args.load_host_row = load_host_row.data_ptr<int64_t>();
+  args.n = rows.numel();
+  args.rows_int64 = rows.scalar_type() == at::kLong;
+  args.slot_rows = slot_rows.data_ptr<int64_t>();
+  args.copy_rows = copy_rows.data_ptr<int64_t>();
+  args.num_slot_rows = slot_rows.numel();
+  args.slot_width = slot_rows.size(1);
+  args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
+  args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
+  args.kv_num_rows = kv_rows.size(0);
+  args.kv_block_stride_rows = block_stride_rows;
+  args.kv_block_rows = block_rows;
+  args.host_rows = static_cast<const char*>(mapped_host_pointer(host_rows, "host_rows"));
+  args.host_row_stride = host_rows.stride(0) * host_rows.element_size();
+  args.host_num_rows = host_rows.size(0);
+  args.row_bytes = kv_rows.size(1) * kv_rows.element_size();
+  args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
+  if (args.n > 0 && !hisparse::apply_copies_in_words(args)) {
+    ++narrow_copy_launch_count;
+    TORCH_WARN_ONCE("HiSparse resolver replay: rows of ", args.row_bytes, " bytes at strides ",
+                    args.kv_row_stride, " (device) and ", args.host_row_stride,
+                    " (host) bytes, or their base addresses, are not 16-byte aligned, so misses "
+                    "are copied byte by byte, many times slower; "
+                    "vllm:hisparse_narrow_copy_launches counts such launches");
+  }
+  C10_CUDA_CHECK(hisparse::launch_apply_resolution(args, c10::cuda::getCurrentCUDAStream()));
+  return resolved;
+}
+
+at::Tensor apply_resolution_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                at::Tensor&, int64_t, int64_t) {
+  TORCH_CHECK(false,
+              "_hisparse_C::apply_resolution is the CUDA kernel and needs CUDA tensors; for CPU "
+              "tensors call the torch reference, vllm.v1.hisparse.resolver.apply_resolution");
 }
 
 // kv_caches[l]: layer l's cache [num_blocks, block_size, width], contiguous pages (blocks may
@@ -371,23 +490,31 @@ TORCH_LIBRARY(_hisparse_C, m) {
       "Tensor staging_slots, Tensor(a!) hot_positions, Tensor(b!) hot_stamps, int block_size, int "
       "step, "
       "int max_entries, int hot_pad, Tensor(c!) flags, Tensor(d!) ints) -> ()");
+  m.def(
+      "apply_resolution(Tensor rows, Tensor on_host, Tensor entry_request, Tensor entry_slot, "
+      "Tensor slot_rows, Tensor(a!) kv_rows, Tensor copy_rows, Tensor host_rows, Tensor load, "
+      "Tensor load_request, Tensor load_slot, Tensor load_host_row, Tensor(b!) error, "
+      "int block_stride_rows, int block_rows) -> Tensor");
   // No tensor arguments, so no dispatch key: one kernel serves every caller.
   m.def("narrow_copy_launches() -> int", &narrow_copy_launches);
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CUDA, m) {
+  m.impl("apply_resolution", &apply_resolution_cuda);
   m.impl("copy_host_rows", &copy_host_rows_cuda);
   m.impl("copy_pages", &copy_pages_cuda);
   m.impl("plan_resolution", &plan_resolution_cuda);
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, Meta, m) {
+  m.impl("apply_resolution", &apply_resolution_meta);
   m.impl("copy_host_rows", &copy_host_rows_meta);
   m.impl("copy_pages", &copy_pages_meta);
   m.impl("plan_resolution", &plan_resolution_meta);
 }
 
 TORCH_LIBRARY_IMPL(_hisparse_C, CPU, m) {
+  m.impl("apply_resolution", &apply_resolution_cpu);
   m.impl("copy_host_rows", &copy_host_rows_cpu);
   m.impl("copy_pages", &copy_pages_cpu);
   m.impl("plan_resolution", &plan_resolution_cpu);

@@ -121,6 +121,11 @@ def test_it_loads_and_registers_the_ops_with_their_schemas(probe):
     # The op without tensor arguments answers without a device (no copy has run).
     assert probe["narrow_copy_launches"] == 0
     assert probe["schemas"] == {
+        "apply_resolution": "_hisparse_C::apply_resolution(Tensor rows, Tensor on_host, "
+        "Tensor entry_request, Tensor entry_slot, Tensor slot_rows, Tensor(a!) kv_rows, "
+        "Tensor copy_rows, Tensor host_rows, "
+        "Tensor load, Tensor load_request, Tensor load_slot, Tensor load_host_row, Tensor(b!) error, "
+        "int block_stride_rows, int block_rows) -> Tensor",
         "copy_host_rows": "_hisparse_C::copy_host_rows(Tensor(a!) kv_rows, Tensor dst_rows, "
         "Tensor host_rows, Tensor src_rows, Tensor copy, Tensor(b!) error, int block_stride_rows, "
         "int block_rows) -> ()",
@@ -135,6 +140,8 @@ def test_it_loads_and_registers_the_ops_with_their_schemas(probe):
 
 def test_cpu_tensors_get_an_error_naming_the_reference_to_call(probe):
     assert probe["cpu_errors"] == {
+        "apply_resolution": "RuntimeError: _hisparse_C::apply_resolution is the CUDA kernel and needs CUDA "
+        "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.resolver.apply_resolution",
         "copy_host_rows": "RuntimeError: _hisparse_C::copy_host_rows is the CUDA kernel and needs CUDA "
         "tensors; for CPU tensors call the torch reference, vllm.v1.hisparse.resolver.copy_host_rows",
         "copy_pages": "RuntimeError: _hisparse_C::copy_pages is the CUDA kernel and needs CUDA "
@@ -145,6 +152,10 @@ def test_cpu_tensors_get_an_error_naming_the_reference_to_call(probe):
 
 
 def test_the_meta_implementations_check_shapes_and_pass_opcheck(probe):
+    assert (
+        probe["meta_shape_errors"]["apply_resolution"]
+        == "RuntimeError: load must be a contiguous bool [12] tensor"
+    )
     assert probe["meta_shape_errors"]["copy_host_rows"] == (
         "RuntimeError: kv_rows rows are 656 bytes, host_rows rows 600"
     )

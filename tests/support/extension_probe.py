@@ -49,6 +49,27 @@ def main(root: str) -> dict:
             block_rows,
         )
 
+    def apply_args(device: str, load_entries: int = 12):
+        long = dict(dtype=torch.int64, device=device)
+        tokens, topk = 3, 4
+        return (
+            torch.zeros(tokens, topk, dtype=torch.int32, device=device),
+            torch.zeros(tokens, topk, dtype=torch.bool, device=device),
+            torch.zeros(tokens, topk, **long),
+            torch.zeros(tokens, topk, **long),
+            torch.zeros(2, 8, **long),
+            torch.zeros(64, 656, dtype=torch.uint8, device=device),
+            torch.zeros(2, 8, **long),
+            torch.zeros(32, 656, dtype=torch.uint8, device=device),
+            torch.zeros(load_entries, dtype=torch.bool, device=device),
+            torch.zeros(load_entries, **long),
+            torch.zeros(load_entries, **long),
+            torch.zeros(load_entries, **long),
+            torch.zeros((), **long),
+            64,
+            64,
+        )
+
     def pages_args(device: str, block_columns: int = 3):
         long = dict(dtype=torch.int64, device=device)
         caches = [torch.zeros(10, 64, 656, dtype=torch.uint8, device=device) for _ in range(3)]
@@ -81,11 +102,15 @@ def main(root: str) -> dict:
         )
 
     report["cpu_errors"] = {
+        "apply_resolution": error_of(lambda: namespace.apply_resolution(*apply_args("cpu"))),
         "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("cpu"))),
         "copy_pages": error_of(lambda: namespace.copy_pages(*pages_args("cpu"))),
         "plan_resolution": error_of(lambda: namespace.plan_resolution(*plan_args("cpu"))),
     }
     report["meta_shape_errors"] = {
+        "apply_resolution": error_of(
+            lambda: namespace.apply_resolution(*apply_args("meta", load_entries=10))
+        ),
         "copy_host_rows": error_of(lambda: namespace.copy_host_rows(*rows_args("meta", host_width=600))),
         "copy_host_rows_block_rows": error_of(
             lambda: namespace.copy_host_rows(*rows_args("meta", block_rows=33))
@@ -100,6 +125,7 @@ def main(root: str) -> dict:
     pool = HostPoolMemory((1, 2, 64, 16), torch.uint8, register=False)
     report["host_pool_without_vllm"] = list(pool.tensor.shape)
     report["opcheck"] = {
+        "apply_resolution": torch.library.opcheck(namespace.apply_resolution.default, apply_args("meta")),
         "copy_host_rows": torch.library.opcheck(namespace.copy_host_rows.default, rows_args("meta")),
         "copy_pages": torch.library.opcheck(namespace.copy_pages.default, pages_args("meta")),
         "plan_resolution": torch.library.opcheck(namespace.plan_resolution.default, plan_args("meta")),

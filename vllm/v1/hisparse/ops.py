@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-OPS = ("copy_host_rows", "copy_pages", "plan_resolution")
+OPS = ("apply_resolution", "copy_host_rows", "copy_pages", "plan_resolution")
 
 
 def ops_registered() -> bool:

@@ -670,6 +670,7 @@ def apply_resolution(
     error: torch.Tensor | None = None,
     block_stride_rows: int | None = None,
     block_rows: int | None = None,
+    use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Replay `plan` for one layer: copy its misses, return the rows attention reads.
 
@@ -681,8 +682,35 @@ def apply_resolution(
     `host_rows`, this layer's host pool as rows. `error`: the step's error word
     the row copy kernel raises bits in (default: the plan's own). block_stride_rows,
     block_rows: the layer's rows within `kv_rows` (see `copy_host_rows`).
+
+    On CUDA caches the extension does it all in one launch (csrc/hisparse_apply.cu: one
+    thread per entry resolves, and each warp copies the misses among its entries); the
+    torch operations below are its reference and serve everywhere else. `use_kernel`
+    forces one.
     """
     copy_rows = slot_rows if copy_rows is None else copy_rows
+    if use_kernel is None:
+        use_kernel = kv_rows.is_cuda and cuda_kernels_available()
+    if use_kernel:
+        if block_stride_rows is None or block_rows is None:
+            block_stride_rows = block_rows = max(kv_rows.shape[0], 1)
+        return torch.ops._hisparse_C.apply_resolution(
+            rows.contiguous(),
+            plan.on_host.contiguous(),
+            plan.entry_request.contiguous(),
+            plan.entry_slot.contiguous(),
+            slot_rows.long().contiguous(),
+            kv_rows,
+            copy_rows.long().contiguous(),
+            host_rows,
+            plan.load.contiguous(),
+            plan.load_request.contiguous(),
+            plan.load_slot.contiguous(),
+            plan.load_host_row.contiguous(),
+            plan.error if error is None else error,
+            block_stride_rows,
+            block_rows,
+        )
     destination = copy_rows[plan.load_request, plan.load_slot]
     copy_host_rows(
         kv_rows,
