@@ -61,15 +61,15 @@ __global__ void apply_resolution_kernel(ApplyArgs a) {
     const int64_t src_row = a.load_host_row[entry];
     const int64_t dst_row =
         slot_in_bounds(a, request, slot) ? a.copy_rows[request * a.slot_width + slot] : -1;
-    if (dst_row < 0 || dst_row >= a.kv_num_rows ||
-        dst_row % a.kv_block_stride_rows >= a.kv_block_rows || src_row < 0 ||
-        src_row >= a.host_num_rows) {
+    const RowCopyLayer& layer = a.layer;
+    if (!row_copy_in_bounds(layer, dst_row, src_row)) {
       if (lane == 0) atomicOr(a.error, kErrorRowOutOfBounds);
       continue;
     }
-    const word_t* src = reinterpret_cast<const word_t*>(a.host_rows + src_row * a.host_row_stride);
-    word_t* dst = reinterpret_cast<word_t*>(a.kv_rows + dst_row * a.kv_row_stride);
-    copy_words(dst, src, a.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
+    const word_t* src =
+        reinterpret_cast<const word_t*>(layer.host_rows + src_row * layer.host_row_stride);
+    word_t* dst = reinterpret_cast<word_t*>(layer.kv_rows + dst_row * layer.kv_row_stride);
+    copy_words(dst, src, layer.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
   }
 }
 
@@ -77,7 +77,7 @@ template <typename row_t>
 cudaError_t launch_for_rows(const ApplyArgs& args, cudaStream_t stream) {
   const dim3 grid(
       static_cast<unsigned>((args.n + kApplyThreadsPerBlock - 1) / kApplyThreadsPerBlock));
-  if (apply_copies_in_words(args)) {
+  if (row_copy_in_words(args.layer)) {
     apply_resolution_kernel<row_t, uint4><<<grid, kApplyThreadsPerBlock, 0, stream>>>(args);
   } else {
     apply_resolution_kernel<row_t, uint8_t><<<grid, kApplyThreadsPerBlock, 0, stream>>>(args);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "hisparse_errors.h"
+#include "hisparse_row_copy.h"
 
 namespace hisparse {
 
@@ -32,27 +33,11 @@ struct ApplyArgs {
   // of kv_rows (copy_rows); W = hot plus staging slots.
   const int64_t* slot_rows;
   const int64_t* copy_rows;
-  int64_t num_slot_rows;  // M * W: a slot outside it is an error
-  int64_t slot_width;     // W
-  // The row copy, as RowCopyArgs (hisparse_row_copy.h): the layer's rows and host rows.
-  char* kv_rows;
-  int64_t kv_row_stride;
-  int64_t kv_num_rows;
-  int64_t kv_block_stride_rows;
-  int64_t kv_block_rows;
-  const char* host_rows;  // mapped into the device address space
-  int64_t host_row_stride;
-  int64_t host_num_rows;
-  int64_t row_bytes;
+  int64_t num_slot_rows;      // M * W: a slot outside it is an error
+  int64_t slot_width;         // W
+  RowCopyLayer layer;         // where the misses are copied, as the row copy's
   unsigned long long* error;  // the step's error word: kErrorRowOutOfBounds is OR-ed in
 };
-
-// Whether the copies move 16-byte words (row bytes, strides and bases multiples of 16).
-inline bool apply_copies_in_words(const ApplyArgs& args) {
-  return args.row_bytes % 16 == 0 && args.kv_row_stride % 16 == 0 &&
-         args.host_row_stride % 16 == 0 && reinterpret_cast<uintptr_t>(args.kv_rows) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(args.host_rows) % 16 == 0;
-}
 
 // One thread per entry writes its resolved row; each warp then copies the rows of the
 // misses among its 32 entries, one after another, the whole warp on each row (a ballot

@@ -62,6 +62,33 @@ const void* mapped_host_pointer(const at::Tensor& host, const char* name) {
   return attributes.devicePointer;
 }
 
+// The layer a row copy writes, for the row copy and the replay: kv_rows and host_rows as
+// check_copy_host_rows takes them (checked), block b's own rows of kv_rows at
+// b * block_stride_rows + [0, block_rows).
+hisparse::RowCopyLayer row_copy_layer(at::Tensor& kv_rows, const at::Tensor& host_rows,
+                                      int64_t block_stride_rows, int64_t block_rows) {
+  hisparse::RowCopyLayer layer{};
+  layer.kv_rows = static_cast<char*>(kv_rows.data_ptr());
+  layer.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
+  layer.kv_num_rows = kv_rows.size(0);
+  layer.kv_block_stride_rows = block_stride_rows;
+  layer.kv_block_rows = block_rows;
+  layer.host_rows = static_cast<const char*>(mapped_host_pointer(host_rows, "host_rows"));
+  layer.host_row_stride = host_rows.stride(0) * host_rows.element_size();
+  layer.host_num_rows = host_rows.size(0);
+  layer.row_bytes = kv_rows.size(1) * kv_rows.element_size();
+  return layer;
+}
+
+// A copy launch that moves bytes, not 16-byte words: counted, and warned about once.
+void note_narrow_copies(const char* what, int64_t bytes) {
+  ++narrow_copy_launch_count;
+  TORCH_WARN_ONCE("HiSparse ", what, " of ", bytes,
+                  " bytes, their strides or base addresses are not 16-byte aligned, so they are "
+                  "copied byte by byte, many times slower; vllm:hisparse_narrow_copy_launches "
+                  "counts such launches");
+}
+
 // kv_rows: [rows, width] with contiguous columns; host_rows: [rows, width] host memory, same
 // row bytes; dst_rows / src_rows: int64 [n]; copy: bool [n]; error: int64 [1] or [].
 // block_stride_rows / block_rows: block b's rows of this layer are
@@ -110,29 +137,15 @@ void copy_host_rows_cuda(at::Tensor& kv_rows, const at::Tensor& dst_rows,
                        block_rows);
   TORCH_CHECK(kv_rows.is_cuda(), "kv_rows must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(kv_rows.device());
-  const void* host_ptr = mapped_host_pointer(host_rows, "host_rows");
   hisparse::RowCopyArgs args{};
-  args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
-  args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
-  args.kv_num_rows = kv_rows.size(0);
-  args.kv_block_stride_rows = block_stride_rows;
-  args.kv_block_rows = block_rows;
-  args.host_rows = static_cast<const char*>(host_ptr);
-  args.host_row_stride = host_rows.stride(0) * host_rows.element_size();
-  args.host_num_rows = host_rows.size(0);
+  args.layer = row_copy_layer(kv_rows, host_rows, block_stride_rows, block_rows);
   args.dst_rows = dst_rows.data_ptr<int64_t>();
   args.src_rows = src_rows.data_ptr<int64_t>();
   args.copy = copy.data_ptr<bool>();
   args.n = dst_rows.numel();
-  args.row_bytes = kv_rows.size(1) * kv_rows.element_size();
   args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
-  if (args.n > 0 && !hisparse::row_copy_in_words(args)) {
-    ++narrow_copy_launch_count;
-    TORCH_WARN_ONCE("HiSparse row copy: rows of ", args.row_bytes, " bytes at strides ",
-                    args.kv_row_stride, " (device) and ", args.host_row_stride,
-                    " (host) bytes, or their base addresses, are not 16-byte aligned, so misses "
-                    "are copied byte by byte, many times slower; "
-                    "vllm:hisparse_narrow_copy_launches counts such launches");
+  if (args.n > 0 && !hisparse::row_copy_in_words(args.layer)) {
+    note_narrow_copies("row copy: rows", args.layer.row_bytes);
   }
   C10_CUDA_CHECK(hisparse::launch_copy_host_rows(args, c10::cuda::getCurrentCUDAStream()));
 }
@@ -231,23 +244,10 @@ at::Tensor apply_resolution_cuda(const at::Tensor& rows, const at::Tensor& on_ho
   args.copy_rows = copy_rows.data_ptr<int64_t>();
   args.num_slot_rows = slot_rows.numel();
   args.slot_width = slot_rows.size(1);
-  args.kv_rows = static_cast<char*>(kv_rows.data_ptr());
-  args.kv_row_stride = kv_rows.stride(0) * kv_rows.element_size();
-  args.kv_num_rows = kv_rows.size(0);
-  args.kv_block_stride_rows = block_stride_rows;
-  args.kv_block_rows = block_rows;
-  args.host_rows = static_cast<const char*>(mapped_host_pointer(host_rows, "host_rows"));
-  args.host_row_stride = host_rows.stride(0) * host_rows.element_size();
-  args.host_num_rows = host_rows.size(0);
-  args.row_bytes = kv_rows.size(1) * kv_rows.element_size();
+  args.layer = row_copy_layer(kv_rows, host_rows, block_stride_rows, block_rows);
   args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
-  if (args.n > 0 && !hisparse::apply_copies_in_words(args)) {
-    ++narrow_copy_launch_count;
-    TORCH_WARN_ONCE("HiSparse resolver replay: rows of ", args.row_bytes, " bytes at strides ",
-                    args.kv_row_stride, " (device) and ", args.host_row_stride,
-                    " (host) bytes, or their base addresses, are not 16-byte aligned, so misses "
-                    "are copied byte by byte, many times slower; "
-                    "vllm:hisparse_narrow_copy_launches counts such launches");
+  if (args.n > 0 && !hisparse::row_copy_in_words(args.layer)) {
+    note_narrow_copies("resolver replay: rows", args.layer.row_bytes);
   }
   C10_CUDA_CHECK(hisparse::launch_apply_resolution(args, c10::cuda::getCurrentCUDAStream()));
   return resolved;
@@ -343,11 +343,7 @@ void copy_pages_cuda(at::TensorList kv_caches, at::Tensor& host_pool, const at::
   args.device_aligned16 = device_aligned16;
   args.error = reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>());
   if (args.num_pages > 0 && !hisparse::page_copy_in_words(args)) {
-    ++narrow_copy_launch_count;
-    TORCH_WARN_ONCE("HiSparse page copy: pages of ", args.page_bytes,
-                    " bytes, a cache's block stride or a base address are not 16-byte aligned, "
-                    "so pages are copied byte by byte, many times slower; "
-                    "vllm:hisparse_narrow_copy_launches counts such launches");
+    note_narrow_copies("page copy: pages", args.page_bytes);
   }
   C10_CUDA_CHECK(hisparse::launch_copy_pages(args, c10::cuda::getCurrentCUDAStream()));
 }

@@ -35,17 +35,17 @@ __global__ void copy_host_rows_kernel(RowCopyArgs args) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= args.n || !args.copy[warp]) return;
+  const RowCopyLayer& layer = args.layer;
   const int64_t src_row = args.src_rows[warp];
   const int64_t dst_row = args.dst_rows[warp];
-  if (src_row < 0 || src_row >= args.host_num_rows || dst_row < 0 || dst_row >= args.kv_num_rows ||
-      dst_row % args.kv_block_stride_rows >= args.kv_block_rows) {
+  if (!row_copy_in_bounds(layer, dst_row, src_row)) {
     if (lane == 0) atomicOr(args.error, kErrorRowOutOfBounds);
     return;
   }
   const word_t* src =
-      reinterpret_cast<const word_t*>(args.host_rows + src_row * args.host_row_stride);
-  word_t* dst = reinterpret_cast<word_t*>(args.kv_rows + dst_row * args.kv_row_stride);
-  copy_words(dst, src, args.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
+      reinterpret_cast<const word_t*>(layer.host_rows + src_row * layer.host_row_stride);
+  word_t* dst = reinterpret_cast<word_t*>(layer.kv_rows + dst_row * layer.kv_row_stride);
+  copy_words(dst, src, layer.row_bytes / static_cast<int64_t>(sizeof(word_t)), lane, 32);
 }
 
 }  // namespace
@@ -55,7 +55,7 @@ cudaError_t launch_copy_host_rows(const RowCopyArgs& args, cudaStream_t stream) 
   const int threads = 32 * kRowCopyWarpsPerBlock;
   const dim3 grid(
       static_cast<unsigned>((args.n + kRowCopyWarpsPerBlock - 1) / kRowCopyWarpsPerBlock));
-  if (row_copy_in_words(args)) {
+  if (row_copy_in_words(args.layer)) {
     copy_host_rows_kernel<uint4><<<grid, threads, 0, stream>>>(args);
   } else {
     copy_host_rows_kernel<uint8_t><<<grid, threads, 0, stream>>>(args);

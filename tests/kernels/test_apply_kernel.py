@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_build import compile_for_sm90a, hisparse_ops
-from resolver_cases import BLOCK, StagingOverflow, brute_force, build
+from resolver_cases import BLOCK, build, servable_cases
 
 from vllm.v1.hisparse.resolver import (
     ERROR_ROW_OUT_OF_BOUNDS,
@@ -34,24 +34,8 @@ def on_gpu(plan: ResolutionPlan) -> ResolutionPlan:
 @pytest.mark.gpu
 def test_the_fused_replay_matches_the_reference_rows_and_copies(kernel_ops):
     checked = 0
-    for seed in range(40):
-        shape = dict(
-            num_reqs=1 + seed % 3,
-            pages=1 + seed % 5,
-            hot_slots=4 + seed % 9,
-            tokens=1 + seed % 4,
-            topk=1 + seed % 6,
-            resident_p=(0.0, 0.5, 0.9)[seed % 3],
-            hot_fill=seed % 7,
-            staging=seed % 5,
-        )
+    for seed, shape in servable_cases(40):
         s = build(seed, **shape)
-        if not len(s.table_rows):
-            continue
-        try:
-            brute_force(build(seed, **shape))
-        except StagingOverflow:
-            continue
         hot = HotState(s.hot.positions.clone(), s.hot.stamps.clone())
         plan = plan_resolution(
             s.positions,

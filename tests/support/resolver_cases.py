@@ -166,3 +166,27 @@ def brute_force(s: Scenario) -> tuple[list[list[int]], list[list[int]], list[lis
                 line.append(int(s.rows[t, k]))
         out.append(line)
     return out, held, stamps
+
+
+def servable_cases(num_seeds: int):
+    """(seed, shape) of `build`'s cases over `num_seeds` seeds of varied shapes that the
+    contract can serve: some request has HOST pages, and the step needs no more staging
+    than it was given (the model's verdict)."""
+    for seed in range(num_seeds):
+        shape = dict(
+            num_reqs=1 + seed % 3,
+            pages=1 + seed % 5,
+            hot_slots=4 + seed % 9,
+            tokens=1 + seed % 4,
+            topk=1 + seed % 6,
+            resident_p=(0.0, 0.5, 0.9)[seed % 3],
+            hot_fill=seed % 7,
+            staging=seed % 5,
+        )
+        if not len(build(seed, **shape).table_rows):
+            continue
+        try:
+            brute_force(build(seed, **shape))
+        except StagingOverflow:
+            continue
+        yield seed, shape

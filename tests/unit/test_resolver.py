@@ -244,39 +244,26 @@ def test_the_row_copy_reference_refuses_a_destination_between_the_layers_blocks(
     storage = torch.zeros(3, 2, 3, 3)  # [block, layer, row in block, width]
     layer_rows = storage.flatten().as_strided((2 * 6 + 3, 3), (3, 1))  # block stride: 6 rows
     host_rows = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 1
-    copy = torch.ones(2, dtype=torch.bool)
-    with pytest.raises(ResolverError, match="lies between this layer's blocks"):
+
+    def copy(dst: list[int], block_stride_rows: int = 6) -> None:
         copy_host_rows(
             layer_rows,
-            torch.tensor([1, 7 + 3]),
+            torch.tensor(dst),
             host_rows,
-            torch.tensor([0, 1]),
-            copy,
-            block_stride_rows=6,
+            torch.arange(len(dst)),
+            torch.ones(len(dst), dtype=torch.bool),
+            block_stride_rows=block_stride_rows,
             block_rows=3,
         )
+
+    with pytest.raises(ResolverError, match="lies between this layer's blocks"):
+        copy([1, 7 + 3])
     assert not storage.any(), "nothing is written, in either layer"
-    copy_host_rows(
-        layer_rows,
-        torch.tensor([1, 6 + 2]),
-        host_rows,
-        torch.tensor([0, 1]),
-        copy,
-        block_stride_rows=6,
-        block_rows=3,
-    )
+    copy([1, 6 + 2])
     assert torch.equal(storage[0, 0, 1], host_rows[0]) and torch.equal(storage[1, 0, 2], host_rows[1])
     assert not storage[:, 1].any(), "the other layer's rows are untouched"
     with pytest.raises(ValueError, match="block_rows must be positive and at most block_stride_rows"):
-        copy_host_rows(
-            layer_rows,
-            torch.tensor([1]),
-            host_rows,
-            torch.tensor([0]),
-            copy[:1],
-            block_stride_rows=2,
-            block_rows=3,
-        )
+        copy([1], block_stride_rows=2)
 
 
 def test_masked_entries_are_not_checked_or_copied():

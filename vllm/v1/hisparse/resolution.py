@@ -365,34 +365,28 @@ class HiSparseResolution:
         self.counts["resolver_calls"] += 1
         self.counts["extra_attention_passes"] += pass_index > 0
         self._resolved_layers[layer_name] = self._resolved_layers.get(layer_name, 0) + 1
+
+        def replay(pass_rows: torch.Tensor) -> torch.Tensor:
+            return apply_resolution(
+                plan,
+                pass_rows,
+                slot_rows,
+                kv_rows,
+                host_rows,
+                copy_rows,
+                self.error,
+                stride_rows,
+                self.block_size,
+            )
+
         if tokens is None:
             if len(passes) == 1:
-                return apply_resolution(
-                    plan,
-                    rows,
-                    slot_rows,
-                    kv_rows,
-                    host_rows,
-                    copy_rows,
-                    self.error,
-                    stride_rows,
-                    self.block_size,
-                )
+                return replay(rows)
             selected = pass_tokens
         else:
             selected = tokens[pass_tokens]  # the pass's tokens among the call's
         resolved = rows.clone()
-        resolved[selected] = apply_resolution(
-            plan,
-            rows[selected],
-            slot_rows,
-            kv_rows,
-            host_rows,
-            copy_rows,
-            self.error,
-            stride_rows,
-            self.block_size,
-        )
+        resolved[selected] = replay(rows[selected])
         return resolved
 
     def _plan(
