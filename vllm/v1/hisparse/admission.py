@@ -245,16 +245,14 @@ class Admissions:
         max_pages = (request.num_tokens - 1) // self.block_size
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
-        other_page, mla_page = self.blocks.page_lookup(other_ids), self.blocks.page_lookup(mla_ids)
-        retain_cached, block_hashes = self.host_pool.retain_cached, request.block_hashes
         for position in range(start, max_pages):
-            block_hash = block_hashes[position]
-            other = other_page(block_hash)
+            block_hash = request.block_hashes[position]
+            other = self.blocks.cached_page(block_hash, other_ids)
             if other is None:
                 break  # the indexer K cache of this page is gone: recompute from here
-            mla = mla_page(block_hash)
+            mla = self.blocks.cached_page(block_hash, mla_ids)
             if mla is None:
-                host_page = retain_cached(block_hash)
+                host_page = self.host_pool.retain_cached(block_hash)
                 if host_page is None:
                     break
                 host_pages[PageIndex(position)] = HostPage(host_page)

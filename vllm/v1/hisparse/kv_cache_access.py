@@ -207,26 +207,9 @@ class KVCacheBlockAccess:
 
     # -- the prefix cache ----------------------------------------------------------
 
-    def page_lookup(self, group_ids: Sequence[int]) -> Callable[[BlockHash], list[KVCacheBlock] | None]:
-        """A lookup of the device blocks of a page the prefix cache holds in every one of
-        `group_ids` (None if any lacks it), as upstream's `get_cached_block`, for a walk over
-        many pages (a history of a thousand pages, looked up at every step its turn waits):
-        each group's key suffix is made once, by upstream's own key function."""
-        from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
-
-        get = self._pool.cached_block_hash_to_block.get_one_block
-        suffixes = [make_block_hash_with_group_id(BlockHash(b""), g) for g in group_ids]
-
-        def lookup(block_hash: BlockHash) -> list[KVCacheBlock] | None:
-            found = []
-            for suffix in suffixes:
-                block = get(block_hash + suffix)  # type: ignore[arg-type]  # the key, as upstream makes it
-                if block is None:
-                    return None
-                found.append(block)
-            return found
-
-        return lookup
+    def cached_page(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+        """The device blocks of a page the prefix cache holds in every one of `group_ids`."""
+        return self._pool.get_cached_block(block_hash, list(group_ids))
 
     def with_columns(
         self, blocks: KVCacheBlocks, columns: Mapping[int, Sequence[KVCacheBlock]]
