@@ -427,11 +427,15 @@ def worker_step(device: str, seed: int = 0) -> dict:
     """One step of the worker's resolution glue (`HiSparseResolution`: a plan's deltas,
     the step's start, both layers' resolution, the step's end) on `device`, over seeded
     inputs built on the CPU: a 100-token prefill chunk over four HOST pages, with staging
-    for all of them, beside two decodes with one HOST page each, top-K 64, 656-byte rows.
+    for all of them, beside two decodes with one HOST page each, top-K 64, 656-byte rows;
+    then its post-forward page copies (two pages of both layers into host pages 6 and 7)
+    as the worker launches them (`PageCopyStream`: on CUDA a copy stream).
     Returns each layer's resolved rows and cache, the device counters and error word (on
-    `device`: reading them is the caller's, after the step) and the host counters."""
+    `device`: reading them is the caller's, after the step), the host counters and the
+    copies' launch (None where they ran in place)."""
     from types import SimpleNamespace
 
+    from vllm.v1.hisparse.page_copy import PageCopyStream
     from vllm.v1.hisparse.plan import HostPageUpdate, HotLeaseUpdate, StepStaging
     from vllm.v1.hisparse.resolution import HiSparseResolution
 
@@ -479,6 +483,22 @@ def worker_step(device: str, seed: int = 0) -> dict:
             resolution.resolve_rows(layer, on["positions"], on["batch_rows"], on["rows"], cache, BLOCK)
         )
     device_counts, error, host_counts, _ = resolution.end_step()
+    # The post-forward copies: blocks 1 and 3 (the decodes' hot rows, just filled) of both
+    # layers into host pages 6 and 7, on the index tensors the worker pins.
+    block_ids, pages = torch.tensor([[1, 1], [3, 3]]), torch.tensor([6, 7])
+    if device == "cuda":
+        block_ids, pages = block_ids.pin_memory(), pages.pin_memory()
+    copies_out = PageCopyStream(torch.device(device)).launch(
+        lambda word: copy_pages(
+            [c.view(blocks, BLOCK, width) for c in caches],
+            host_pool,
+            block_ids,
+            pages,
+            to_host=True,
+            error=word,
+        ),
+        error,
+    )
     return {
         "resolved": resolved,
         "caches": caches,
@@ -490,17 +510,22 @@ def worker_step(device: str, seed: int = 0) -> dict:
         "host_pages": {r: [u.host_page for u in updates if u.request_id == r] for r in order},
         "order": order,
         "scheduled": scheduled,
+        "copies_out": copies_out,
     }
 
 
 def on_the_host(step: dict) -> dict:
-    """A `worker_step` result with its device values read (after the step)."""
+    """A `worker_step` result with its device values read (after the step and its copies)."""
+    copies_out = step["copies_out"]
+    if copies_out is not None:
+        copies_out.event.synchronize()
     return {
         "resolved": [r.cpu() for r in step["resolved"]],
         "caches": [c.cpu() for c in step["caches"]],
         "device_counts": step["device_counts"].cpu(),
-        "error": int(step["error"]),
+        "error": int(step["error"]) | (int(copies_out.error[0]) if copies_out is not None else 0),
         "host_counts": step["host_counts"],
+        "copied": step["host_pool"][:, 6:8].clone(),
     }
 
 
@@ -539,6 +564,8 @@ def check_worker_step_without_host_waits() -> dict:
         for key in ("resolved", "caches")
         for a, b in zip(on_gpu[key], reference[key], strict=True)
     ) and torch.equal(on_gpu["device_counts"], reference["device_counts"])
+    # The copies landed, off the model's stream: the host pages hold the blocks' bytes.
+    same = same and torch.equal(on_gpu["copied"], reference["copied"])
     true_rows = host_entries_read_true_rows(step)
     return {"bit_exact": same and true_rows and on_gpu["error"] == reference["error"] == 0, "host_waits": 0}
 

@@ -160,9 +160,9 @@ def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report
     with them."""
     from types import SimpleNamespace
 
-    from vllm.v1.hisparse.page_copy import ERROR_PAGE_OUT_OF_BOUNDS
+    from vllm.v1.hisparse.page_copy import ERROR_PAGE_OUT_OF_BOUNDS, PageCopyStream
     from vllm.v1.hisparse.plan import PageCopy
-    from vllm.v1.hisparse.worker import HiSparseWorker, PageCopyStream
+    from vllm.v1.hisparse.worker import HiSparseWorker
 
     layer = "model.layers.0.self_attn.attn"
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})

@@ -163,6 +163,10 @@ def test_the_gpu_checks_worker_step_runs_here_and_reads_the_true_rows():
     assert host["error"] == 0 and host["host_counts"]["partitioned_plans"] == 0
     assert host["host_counts"]["resolver_calls"] == len(kc.WORKER_LAYERS)
     assert kc.host_entries_read_true_rows(step)
+    # The post-forward copies landed: host pages 6 and 7 hold blocks 1 and 3 of each layer.
+    for layer, cache in enumerate(step["caches"]):
+        blocks = cache.view(-1, kc.BLOCK, cache.shape[-1])
+        assert torch.equal(host["copied"][layer], blocks[[1, 3]]) and blocks[[1, 3]].any()
     # A wrong row is seen: corrupt the row a HOST entry of the chunk's first token reads.
     k = next(k for k, p in enumerate(step["positions"][1].tolist()) if p < 4 * kc.BLOCK)
     step["caches"][1][step["resolved"][1][1, k]] += 1

@@ -8,6 +8,8 @@ slot `[l, host_pages[n]]` hold the same bytes, copied device -> host
 (`to_host`, a post-forward copy) or host -> device (a restore). Every page of
 every layer goes in one call: one kernel launch on CUDA, ordered on the current
 stream; on other devices one indexed copy per layer (the torch reference).
+`PageCopyStream` runs a step's post-forward copies on a CUDA copy stream beside
+the next step's forward.
 
 It validates shapes, dtypes, devices, bounds and duplicates with clear errors; it never decides
 what to copy.
@@ -15,7 +17,9 @@ what to copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -155,3 +159,59 @@ def _validate(
                 f"HiSparse page copy: a block of layer {layer} is the destination of two pages in one copy"
             )
     return pages, blocks_of
+
+
+@dataclass
+class CopiesOut:
+    """A step's device->host page copies launched on the copy stream: done once `event`
+    has passed, and then `error` (host memory) holds their own error word."""
+
+    event: Any
+    error: torch.Tensor
+
+
+class PageCopyStream:
+    """Where a step's post-forward page copies (device -> host) run.
+
+    On CUDA, a side stream: it first waits for the work queued on the compute stream so
+    far (the forward that wrote the pages), then copies and records an event, so the
+    next step's forward runs beside the copies instead of after them (on the writing
+    rank; the node's other ranks no longer wait for it at their next collective). That
+    is safe because a copy's source blocks and destination host page stay its own until
+    the scheduler reads it durable, which is after the event: a page with a copy in
+    flight is never demoted, and an ended request's copies keep their blocks and host
+    pages (`residency.py`, orphans); and what the copy allocates (its indices and error
+    word) is allocated on the side stream. The copies' error bits go to a word of their
+    own, read from host memory after the event. Restores and the resolver's row copies
+    stay on the compute stream: blocks the scheduler frees for the next step may still
+    be read by the forward queued before it, and layer L's rows are needed right after
+    its indexer, so neither has anything to overlap with (docs/architecture.md, "Copies
+    and reports").
+    On other devices the copies run in place, with the step's error word.
+
+    `cuda`: torch.cuda, or a stand-in with its Stream, Event, current_stream and stream.
+    """
+
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
+        self.device = device
+        self._cuda: Any = cuda if cuda is not None else (torch.cuda if device.type == "cuda" else None)
+        self._stream = self._cuda.Stream(device=device) if self._cuda is not None else None
+
+    def launch(
+        self, copy_pages: Callable[[torch.Tensor], None], step_error: torch.Tensor
+    ) -> CopiesOut | None:
+        """Run `copy_pages(error_word)`: on the copy stream (returned: when it is done), or
+        in place with the step's error word (None: done)."""
+        if self._stream is None:
+            copy_pages(step_error)
+            return None
+        cuda = self._cuda
+        self._stream.wait_stream(cuda.current_stream(self.device))
+        with cuda.stream(self._stream):
+            word = torch.zeros(1, dtype=torch.int64, device=self.device)
+            copy_pages(word)
+            error = torch.empty(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            error.copy_(word, non_blocking=True)
+            event = cuda.Event()
+            event.record(self._stream)
+        return CopiesOut(event, error)

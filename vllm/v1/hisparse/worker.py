@@ -17,7 +17,7 @@ Owns, per worker:
   residency deltas, handed to the resolution (`resolution.py`);
 - after the forward, on the node's writing rank only, the step's planned
   device->host page copies for all sparse-MLA layers in one launch, on CUDA on a
-  copy stream beside the next step's forward (`PageCopyStream`); on every
+  copy stream beside the next step's forward (`page_copy.PageCopyStream`); on every
   rank, the reports the scheduler reads from `ModelRunnerOutput`: the copies
   known durable, the resolver's counters, and the requests whose own error
   bits fail them (an error bit no request claims raises). On CUDA nothing
@@ -31,7 +31,7 @@ the KV cache only through the planned copies; the resolution loads rows.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from copy import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,7 +50,7 @@ from vllm.v1.hisparse.host_memory import HostPoolMemory
 from vllm.v1.hisparse.kv_grouping import INDEXER_LAYER_SUFFIX, hisparse_managed_group_ids
 from vllm.v1.hisparse.kv_import import register_host_pool_layers
 from vllm.v1.hisparse.ops import narrow_copy_launches, require_cuda_kernels
-from vllm.v1.hisparse.page_copy import copy_pages
+from vllm.v1.hisparse.page_copy import CopiesOut, PageCopyStream, copy_pages
 from vllm.v1.hisparse.plan import DEVICE_COUNTERS, HISPARSE_PLAN_VERSION, WORKER_COUNTERS
 from vllm.v1.hisparse.pool_placement import PoolPlacement, pool_placement
 from vllm.v1.hisparse.resolution import (
@@ -71,61 +71,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class CopiesOut:
-    """A step's device->host page copies launched on the copy stream: done once `event`
-    has passed, and then `error` (host memory) holds their own error word."""
-
-    event: Any
-    error: torch.Tensor
-
-
-class PageCopyStream:
-    """Where a step's post-forward page copies (device -> host) run.
-
-    On CUDA, a side stream: it first waits for the work queued on the compute stream so
-    far (the forward that wrote the pages), then copies and records an event, so the
-    next step's forward runs beside the copies instead of after them (on the writing
-    rank; the node's other ranks no longer wait for it at their next collective). That
-    is safe because a copy's source blocks and destination host page stay its own until
-    the scheduler reads it durable, which is after the event: a page with a copy in
-    flight is never demoted, and an ended request's copies keep their blocks and host
-    pages (`residency.py`, orphans); and what the copy allocates (its indices and error
-    word) is allocated on the side stream. The copies' error bits go to a word of their
-    own, read from host memory after the event. Restores and the resolver's row copies
-    stay on the compute stream: blocks the scheduler frees for the next step may still
-    be read by the forward queued before it, and layer L's rows are needed right after
-    its indexer, so neither has anything to overlap with (docs/kernels.md).
-    On other devices the copies run in place, with the step's error word.
-
-    `cuda`: torch.cuda, or a stand-in with its Stream, Event, current_stream and stream.
-    """
-
-    def __init__(self, device: torch.device, cuda: Any = None) -> None:
-        self.device = device
-        self._cuda: Any = cuda if cuda is not None else (torch.cuda if device.type == "cuda" else None)
-        self._stream = self._cuda.Stream(device=device) if self._cuda is not None else None
-
-    def launch(
-        self, copy_pages: Callable[[torch.Tensor], None], step_error: torch.Tensor
-    ) -> CopiesOut | None:
-        """Run `copy_pages(error_word)`: on the copy stream (returned: when it is done), or
-        in place with the step's error word (None: done)."""
-        if self._stream is None:
-            copy_pages(step_error)
-            return None
-        cuda = self._cuda
-        self._stream.wait_stream(cuda.current_stream(self.device))
-        with cuda.stream(self._stream):
-            word = torch.zeros(1, dtype=torch.int64, device=self.device)
-            copy_pages(word)
-            error = torch.empty(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            error.copy_(word, non_blocking=True)
-            event = cuda.Event()
-            event.record(self._stream)
-        return CopiesOut(event, error)
 
 
 @dataclass
