@@ -13,7 +13,8 @@ Needs torch with CUDA and nvcc (no vLLM, no network). It:
    so the verdicts are there without pytest too: resolution of 128 decode requests
    (fp8_ds_mla and bf16 rows; 0%, 10% and 50% misses), an 8K-token prefill chunk,
    page copies of an 8K-token chunk both ways, out-of-bounds flags, and one whole step
-   of the worker's resolution glue under `torch.cuda.set_sync_debug_mode("error")`
+   of the worker's resolution glue and its post-forward page copies on the copy stream
+   under `torch.cuda.set_sync_debug_mode("error")`
    (any host wait fails it), compared with the same step on the CPU;
 4. measures, with CUDA events: resolver time per step and per layer at batch 64 with
    0%, 10% and 50% misses, the host->device GB/s of the miss path and of page copies,
