@@ -82,7 +82,7 @@ class _StepReport:
     # DEVICE_COUNTERS, the step's error bits, then each of `request_ids`' own error bits.
     device_counts: torch.Tensor
     host_counts: dict[str, int]
-    event: Any = None  # a CUDA event recorded after the step's copies; None on CPU
+    event: Any = None  # a CUDA event recorded after the step's work on the model's stream; None on CPU
     request_ids: list[str] = field(default_factory=list)
     copies_out: CopiesOut | None = None
 
