@@ -310,6 +310,48 @@ def test_quick_simulation_of_glm53_on_8xh200_prints_one_record_per_configuration
     assert set(result["constants"]) >= {"hbm_bytes_per_s", "h2d_bytes_per_s", "mtp_acceptance"}
 
 
+# GLM-5.3 on 8 x H200's block layout (13 sparse-MLA groups, the indexer and MTP group,
+# top-K 2048, MTP3) with 8 GiB of KV cache per GPU: three OpenHands sessions of two turns
+# overflow the device, so relief demotes pages, and each second turn's admission takes its
+# history from the host pool with a hot lease.
+OWNERSHIP_RUN = (
+    "--model", "glm-5.3", "-tp", "8", "--concurrency", "3", "--turns", "2", "--configs", "hybrid,always",
+    "--workload", "openhands", "--kv-cache-memory-bytes", str(8 << 30), "--jobs", "1", "--check-ownership",
+)  # fmt: skip
+
+
+def test_every_block_page_and_copy_has_one_owner_after_every_step_at_glm53_scale():
+    result = simulate_cli(*OWNERSHIP_RUN)
+    records = {r["config"]: r for r in result["records"]}
+    assert list(records) == ["hybrid", "always"]
+    for record in records.values():
+        assert record["sessions_completed"] == 3 and not record["stalled"] and record["requests_failed"] == 0
+        assert record["pages_demoted"] > 0 and record["host_pages_used_max"] > 0, "under pressure"
+        # After every schedule() and every output, idle steps included.
+        assert record["ownership_checks"] >= 2 * record["steps"] > 0
+        assert record["labels"]["ownership_checks"] == "measured"
+
+
+def test_the_simulators_ownership_check_stops_at_the_first_step_that_breaks_it(monkeypatch, capsys):
+    """The same run with a planted isolation bug: demotion frees a page's blocks but leaves
+    them in the request's block table, so the pool can hand them to another request while
+    this one still reads them. The check names the run, the step and the blocks, and the
+    command exits 1 without a report."""
+    from vllm.v1.hisparse.capacity.simulate import main
+    from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
+
+    def drop_pages_left_in_the_table(self, request_id, pages):
+        return self.give_back([b for _, block_ids in pages for b in block_ids])
+
+    monkeypatch.setattr(KVCacheBlockAccess, "drop_pages", drop_pages_left_in_the_table)
+    assert main([*OWNERSHIP_RUN, "--configs", "hybrid", "--format", "json"]) == 1
+    out, err = capsys.readouterr()
+    assert "error: openhands hybrid x3, step " in err and "ownership violated" in err, err[-3000:]
+    # The freed blocks are leased or staged at once, while the table still reads them.
+    assert "is in the block table of ['s0-t0-0'] and in a lease or staging set" in err, err[-3000:]
+    assert '"records"' not in out
+
+
 def test_a_million_token_session_runs_under_hybrid_and_cannot_start_without_hisparse(tmp_path):
     result = simulate_cli(
         "--model", "glm-5.3", "-tp", "8", "--workload", "mix", "--concurrency", "2", "--turns", "1",

@@ -200,6 +200,7 @@ class HiSparseScheduling:
         # Requests whose first step found every page outside the tail in the host pool.
         self.requests_started_none = 0
         self.check_each_step = os.environ.get(CHECK_OWNERSHIP_ENV, "0") == "1"
+        self.ownership_checks = 0
         # Requests HiSparse could not serve (a worker's error bit of theirs, or their own
         # bookkeeping): each ends with an error, the others go on. Request -> why.
         self._failed: dict[str, str] = {}
@@ -641,6 +642,7 @@ class HiSparseScheduling:
 
     def check_ownership(self) -> None:
         """Assert that every device block, host page and copy has exactly its owners (ownership.py)."""
+        self.ownership_checks += 1
         check_ownership(
             self.blocks,
             self.residency,

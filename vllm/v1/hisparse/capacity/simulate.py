@@ -48,6 +48,7 @@ from vllm.v1.hisparse.capacity.step_model import (
     StepModel,
     load_constants,
 )
+from vllm.v1.hisparse.ownership import OwnershipError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,6 +97,7 @@ MEASURED = (
     "requests_failed",
     "requests",
     "output_tokens",
+    "ownership_checks",
 )
 SIMULATED = (
     "mean_running",
@@ -184,6 +186,8 @@ class Record:
     steps: int = 0
     scheduler_ms_per_step: float = 0.0
     scheduler_ms_p99: float = 0.0
+    # HiSparse's ownership checks run (`--check-ownership`: after every schedule and output).
+    ownership_checks: int = 0
     wall_s: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -290,6 +294,7 @@ class Simulation:
         constants: dict[str, float],
         weight_bytes: int | None,
         seed: int = 0,
+        check_ownership: bool = False,
     ) -> None:
         from vllm.v1.hisparse.capacity.planner import (
             _quiet_vllm,
@@ -331,6 +336,9 @@ class Simulation:
         self.world_size = vllm_config.parallel_config.world_size
         self.vocab = vllm_config.model_config.get_vocab_size()
         self.hisparse = getattr(self.scheduler, "hisparse", None)
+        if check_ownership and self.hisparse is not None:
+            # After every schedule() and every output, as VLLM_HISPARSE_CHECK_OWNERSHIP=1 does.
+            self.hisparse.check_each_step = True
         self.page_bytes = 0
         if self.hisparse is not None:
             from vllm.config.hisparse import sparse_mla_page_bytes
@@ -356,6 +364,17 @@ class Simulation:
     # ------------------------------------------------------------------ run
 
     def run(self, max_steps: int = 2_000_000) -> Record:
+        """Step the scheduler until every session's last turn ends (or `max_steps`). A
+        violation of HiSparse's ownership invariant, when checked, stops the run naming
+        the run and the step."""
+        try:
+            return self._run(max_steps)
+        finally:
+            hisparse = getattr(self, "hisparse", None)  # none where the configuration is refused
+            if hisparse is not None:
+                self.record.ownership_checks = hisparse.ownership_checks
+
+    def _run(self, max_steps: int) -> Record:
         record = self.record
         if self.scheduler is None:
             return record
@@ -414,7 +433,10 @@ class Simulation:
             if not scheduler.has_requests() and not arrivals:
                 break
             t0 = time.perf_counter()
-            output = scheduler.schedule()
+            try:
+                output = scheduler.schedule()
+            except OwnershipError as error:
+                raise self._violation(step, "schedule", error) from None
             t_schedule = time.perf_counter() - t0
             accounting.observe(output)
             work, rows, restores = self._work(output)
@@ -462,7 +484,10 @@ class Simulation:
             copies_due = [(at, c) for at, c in copies_due if at > clock]
             jobs_due = [job for job in jobs_due if job[0] > clock]
             t0 = time.perf_counter()
-            engine_outputs = scheduler.update_from_output(output, model_output)
+            try:
+                engine_outputs = scheduler.update_from_output(output, model_output)
+            except OwnershipError as error:
+                raise self._violation(step, "its output", error) from None
             t_update = time.perf_counter() - t0
             if busy:
                 sched_ms.append((t_schedule + t_update) * 1e3)
@@ -527,6 +552,11 @@ class Simulation:
         record.wall_s = time.perf_counter() - started
         record.labels = {name: "measured" for name in MEASURED} | {name: "simulated" for name in SIMULATED}
         return record
+
+    def _violation(self, step: int, after: str, error: OwnershipError) -> OwnershipError:
+        return OwnershipError(
+            f"{self.workload.name} {self.config} x{self.concurrency}, step {step}, after {after}: {error}"
+        )
 
     def _end_turn(self, request_id, turn, requests_of, arrivals, finished_turns, clock, record) -> None:
         finished_turns.append(turn)
@@ -681,10 +711,13 @@ def _simulate_one(
     concurrency: int,
     constants: dict[str, float],
     seed: int,
+    check_ownership: bool = False,
 ) -> Record:
     configurations, plan = _PLANNED[max_model_len]
     weight_bytes = plan.weights.bytes_per_gpu if plan.weights is not None else None
-    sim = Simulation(config, configurations[config], workload, concurrency, constants, weight_bytes, seed)
+    sim = Simulation(
+        config, configurations[config], workload, concurrency, constants, weight_bytes, seed, check_ownership
+    )
     return sim.run()
 
 
@@ -696,10 +729,13 @@ def simulate(
     seed: int = 0,
     progress: Any = None,
     jobs: int = 1,
+    check_ownership: bool = False,
 ) -> dict[str, Any]:
     """Every (workload, configuration, concurrency) record, and what they were run on: each
     workload at its own concurrencies. `jobs` > 1 runs simulations side by side in that
-    many processes (each a scheduler of its own; the records are the same)."""
+    many processes (each a scheduler of its own; the records are the same).
+    `check_ownership`: check HiSparse's ownership invariant after every schedule() and
+    every output; a violation raises `OwnershipError`."""
     constants = constants or load_constants(None)
     plans = _PLANNED
     plans.clear()
@@ -718,7 +754,9 @@ def simulate(
                 dataclasses.replace(request, max_model_len=max_model_len)
             )
         tasks += [
-            (max_model_len, workload, config, c, constants, seed) for c in concurrencies for config in configs
+            (max_model_len, workload, config, c, constants, seed, check_ownership)
+            for c in concurrencies
+            for config in configs
         ]
     done: dict[int, Record] = {}
     if jobs <= 1 or len(tasks) == 1:
@@ -929,6 +967,14 @@ def argument_parser() -> argparse.ArgumentParser:
         "1 gives the scheduler's CPU time without a neighbour",
     )
     group.add_argument("--png", type=Path, help="write the interactivity-throughput Pareto plot here")
+    group.add_argument(
+        "--check-ownership",
+        action="store_true",
+        help="check HiSparse's ownership invariant (every device block, host page and copy has "
+        "exactly its owners) after every schedule and every output, at the simulated scale; a "
+        "violation stops with exit status 1 and names the run and the step. Slow: the "
+        "scheduler's time per step then includes the checks",
+    )
     return parser
 
 
@@ -996,10 +1042,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     try:
-        result = simulate(request, runs, configs, constants, args.seed, progress, args.jobs)
+        result = simulate(
+            request, runs, configs, constants, args.seed, progress, args.jobs, args.check_ownership
+        )
     except planner.PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OwnershipError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     render = {
         "text": render_text,
         "markdown": render_markdown,
