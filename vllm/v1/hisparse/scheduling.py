@@ -310,16 +310,22 @@ class HiSparseScheduling:
         spare = max(self.blocks.num_free_blocks() - own_blocks, 0) // page * page
         blocks = min(wanted, spare)
         self.staging_rows_short += (wanted - blocks) // page * self.block_size
+        # The budget's blocks are taken before any further relief: a victim's first demotion
+        # takes its hot lease from the free blocks at once, while the blocks it frees may
+        # return only after the step in flight (deferred frees).
+        staging = self.blocks.take(blocks) if blocks else []
         if blocks == wanted:
             more = self._staging_blocks(num_new_tokens, host_rows, budget=None) - blocks
-            short = own_blocks + blocks + more + self._step_reserve - self.blocks.num_free_blocks()
+            short = own_blocks + more + self._step_reserve - self.blocks.num_free_blocks()
             if more > 0 and short > 0:
                 self._relieve(short, durable_only=True)
-            room = self.blocks.num_free_blocks() - own_blocks - blocks - self._step_reserve
-            blocks += min(more, max(room, 0) // page * page)
-        if blocks:
-            self._staging[request.request_id] = self.blocks.take(blocks)
-            self.staging_rows_leased += blocks // page * self.block_size
+            room = self.blocks.num_free_blocks() - own_blocks - self._step_reserve
+            extra = min(more, max(room, 0) // page * page)
+            if extra > 0:
+                staging += self.blocks.take(extra)
+        if staging:
+            self._staging[request.request_id] = staging
+            self.staging_rows_leased += len(staging) // page * self.block_size
         return num_new_tokens
 
     def _restore_instead(
