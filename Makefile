@@ -19,9 +19,12 @@ test: lint
 test-fast: setup
 	$(VENV_PY) -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
-## stress: setup, then the scheduler-level stress harness with SEEDS seeds per configuration
+## stress: setup, then the scheduler-level stress harness with SEEDS seeds per configuration,
+## and as many random simulated runs (MTP, the OffloadingConnector) times ten
 stress: setup
 	HISPARSE_STRESS_SEEDS=$(or $(SEEDS),50) $(VENV_PY) -m pytest tests/integration/test_hisparse_stress.py
+	HISPARSE_SIM_STRESS_SEEDS=$$(( $(or $(SEEDS),50) * 10 )) $(VENV_PY) -m pytest \
+		tests/e2e/test_capacity_simulation.py -k random_simulated
 
 ## lint: setup, then .pre-commit-config.yaml's hooks over the repository (offline: .venv's tools)
 lint: setup

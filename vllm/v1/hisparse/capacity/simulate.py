@@ -464,16 +464,19 @@ class Simulation:
                 # Nothing to compute: the engine idles until a transfer lands or a turn arrives.
                 pending = [at for at, _ in copies_due] + [at for at, _, _ in jobs_due]
                 pending += [at for at, _ in arrivals]
-                if not pending:
-                    if not scheduler.has_requests():
-                        break
+                if not pending and not scheduler.has_requests():
+                    break
+                if pending:
+                    seconds = max(0.0, min(pending) - clock)
+                elif not output.preempted_req_ids:
                     record.stalled = (
                         f"step {step}: {len(scheduler.running)} running and "
                         f"{len(scheduler.waiting) + len(getattr(scheduler, 'skipped_waiting', ()))} waiting "
                         "requests, nothing schedulable and nothing in flight"
                     )
                     break
-                seconds = max(0.0, min(pending) - clock)
+                # Else the step preempted and scheduled nothing (upstream skips the waiting
+                # queues in a step that preempts): the next step may schedule, at once.
             step_end = clock + seconds
             running = len(scheduler.running)
             if busy:
