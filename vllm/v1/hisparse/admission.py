@@ -92,6 +92,7 @@ class Admissions:
         plans_issued: Callable[[], bool],
         hit_chunk_tokens: int | None = None,
         release_histories: Callable[[int], int] = lambda num_blocks: 0,
+        nothing_runs: Callable[[], bool] = lambda: False,
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -105,6 +106,8 @@ class Admissions:
         self._release_histories = release_histories
         # A connector hit may be cut at multiples of this many tokens (None: all or nothing).
         self.hit_chunk_tokens = hit_chunk_tokens
+        # Whether no request runs (nothing else will free blocks for an admission).
+        self._nothing_runs = nothing_runs
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
 
@@ -236,6 +239,14 @@ class Admissions:
         from the host pool as a null placeholder. The first page neither holds
         ends the hit; with an EAGLE/MTP drafter the hit then drops its last page,
         as upstream's does. Host pages cost the request a hot lease, taken here.
+
+        When no request runs, nothing else will free blocks: the hit then touches at
+        most the free blocks that the request's chunk after it (its last page, one
+        more, and one for a drafter's lookahead, in every group) and its lease leave;
+        a sparse-MLA page past that comes from the host pool where it holds one, else
+        the hit ends there. Without that cap, a history cached on the device could take
+        the free blocks the request's own chunk needs, and the engine would wait for
+        ever.
         """
         record = self.begin(request, blocks)
         if not self.host_prefix_hits or num_tokens % self.block_size:
@@ -245,12 +256,29 @@ class Admissions:
         max_pages = (request.num_tokens - 1) // self.block_size
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
+        capped = self._nothing_runs()
+        if capped:
+            # Free blocks the hit may touch: what the chunk after it and a lease leave.
+            chunk_blocks = 3 * (len(mla_ids) + len(other_ids))
+            room = self.blocks.num_free_blocks() - chunk_blocks - self._lease_blocks_for(request)
         for position in range(start, max_pages):
             block_hash = request.block_hashes[position]
             other = self.blocks.cached_page(block_hash, other_ids)
             if other is None:
                 break  # the indexer K cache of this page is gone: recompute from here
             mla = self.blocks.cached_page(block_hash, mla_ids)
+            if capped:
+                room -= sum(b.ref_cnt == 0 for b in other)
+                if room < 0:
+                    break
+                if mla is not None:
+                    touched = sum(b.ref_cnt == 0 for b in mla)
+                    if touched > room and self.host_pool.lookup(block_hash) is not None:
+                        mla = None  # its host copy instead: the chunk needs the blocks
+                    else:
+                        room -= touched
+                        if room < 0:
+                            break
             if mla is None:
                 host_page = self.host_pool.retain_cached(block_hash)
                 if host_page is None:

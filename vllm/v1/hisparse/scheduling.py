@@ -177,6 +177,7 @@ class HiSparseScheduling:
             plans_issued=lambda: self.issue_plans,
             hit_chunk_tokens=hit_chunk_tokens(scheduler.connector),
             release_histories=self._release_histories_for_admission,
+            nothing_runs=lambda: not self.scheduler.running,
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):
