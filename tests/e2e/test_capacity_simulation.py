@@ -326,8 +326,10 @@ SIM_STRESS_SEEDS = range(int(os.environ.get("HISPARSE_SIM_STRESS_SEEDS", "6")))
 # held blocks from landed connector loads (patch 0007, `waiting_holders.py`); 506 had one
 # request left whose history, cached on the device, took the free blocks its own chunk
 # needed, with nothing running to free any (`Admissions.extend_prefix_hit` caps the hit
-# then).
-SIM_SEEDS_FOUND_BY_THE_LONG_RUN = (17, 31, 88, 97, 148, 154, 187, 192, 323, 506)
+# then); 1513 and 1979 had two landed loads each holding its history while neither's next
+# chunk (with the drafter's lookahead) fit in the blocks left, nothing running (the
+# youngest holder's blocks are released then, `waiting_holders.release_stranded_holder`).
+SIM_SEEDS_FOUND_BY_THE_LONG_RUN = (17, 31, 88, 97, 148, 154, 187, 192, 323, 506, 1513, 1979)
 
 
 @pytest.mark.parametrize("seed", [*SIM_STRESS_SEEDS, *SIM_SEEDS_FOUND_BY_THE_LONG_RUN])

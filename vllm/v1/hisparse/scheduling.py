@@ -506,6 +506,10 @@ class HiSparseScheduling:
         only when no request runs (one that runs ends, and frees room, in time)."""
         return 0 if self.scheduler.running else self.histories.release(num_blocks)
 
+    def has_copies_in_flight(self) -> bool:
+        """Copies to the host not yet reported: their pages' blocks may come back."""
+        return self.residency.num_copies_in_flight() > 0
+
     def has_pending_work(self) -> bool:
         """Copies in flight whose reports only later steps collect, or spare staging blocks
         only a step's scheduling returns: the engine keeps stepping."""

@@ -16,19 +16,36 @@ beside it, the engine stalls with every request waiting.
 So when the scan meets a request it cannot allocate while a request that can
 go on holds blocks behind it, it passes over that request and goes on with the
 block holders alone (a load still in flight is passed over too, as upstream
-does); every other request keeps its place for the next step. The scheduler
-calls these two predicates (patch 0007); this module decides nothing else.
+does); every other request keeps its place for the next step.
+
+Holders can also strand one another: upstream admits an asynchronous load when
+its own blocks fit beside the other loads' reservations, but neither the
+blocks its own remaining prefill needs nor a drafter's lookahead slots are
+reserved. Two landed loads can then each hold their history while neither's
+next chunk fits in what is left. When a step schedules nothing, nothing runs,
+and nothing in flight (a step's deferred frees, a load, a copy to the host)
+can free a block, the youngest such holder gives its blocks back as a
+preemption would: its blocks are freed (the prefix cache keeps their hashes),
+its computed tokens go back to zero, and it keeps its place in the queue. The
+next step schedules the others.
+
+The scheduler calls these functions (patch 0007); this module decides nothing
+else.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
+from vllm.v1.engine import EngineCoreEventType
 from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 
 def can_go_on_holding_blocks(scheduler: Scheduler, request: Request) -> bool:
@@ -53,3 +70,58 @@ def holder_waits_behind(scheduler: Scheduler, request: Request) -> bool:
         for queue in (scheduler.skipped_waiting, scheduler.waiting)
         for other in queue
     )
+
+
+def _holds_blocks(scheduler: Scheduler, request: Request) -> bool:
+    request_id = request.request_id
+    return any(
+        manager.req_to_blocks.get(request_id)
+        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers
+    )
+
+
+def _frees_pending(scheduler: Scheduler) -> bool:
+    """Whether something already in flight will free blocks or land a load."""
+    if scheduler.deferred_frees:
+        return True
+    if scheduler.hisparse is not None and scheduler.hisparse.has_copies_in_flight():
+        return True
+    return any(
+        request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        for queue in (scheduler.skipped_waiting, scheduler.waiting)
+        for request in queue
+    )
+
+
+def release_stranded_holder(scheduler: Scheduler, timestamp: float) -> Request | None:
+    """After a step that scheduled nothing with nothing running: when no block can come
+    back by itself, free the blocks of the youngest waiting request that holds some, as
+    a preemption would, and return it (None when there is none, or something in flight
+    frees blocks anyway)."""
+    if scheduler.running or _frees_pending(scheduler):
+        return None
+    holders = [
+        request
+        for queue in (scheduler.skipped_waiting, scheduler.waiting)
+        for request in queue
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        and _holds_blocks(scheduler, request)
+    ]
+    if not holders:
+        return None
+    request = max(holders, key=lambda r: (r.priority, r.arrival_time))
+    scheduler._free_request_blocks(request)
+    scheduler._inflight_prefills.discard(request)
+    if request.num_computed_tokens:
+        logger.info(
+            "Released the %d computed tokens' blocks of waiting request %s: no waiting "
+            "request could be allocated and nothing runs",
+            request.num_computed_tokens,
+            request.request_id,
+        )
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+    if scheduler.log_stats:
+        request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+    scheduler.num_holders_released += 1
+    return request

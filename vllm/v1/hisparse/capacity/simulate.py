@@ -432,6 +432,7 @@ class Simulation:
                 requests_of[arrive(session, at)] = session
             if not scheduler.has_requests() and not arrivals:
                 break
+            released = scheduler.num_holders_released
             t0 = time.perf_counter()
             try:
                 output = scheduler.schedule()
@@ -468,7 +469,7 @@ class Simulation:
                     break
                 if pending:
                     seconds = max(0.0, min(pending) - clock)
-                elif not output.preempted_req_ids:
+                elif not output.preempted_req_ids and released == scheduler.num_holders_released:
                     record.stalled = (
                         f"step {step}: {len(scheduler.running)} running and "
                         f"{len(scheduler.waiting) + len(getattr(scheduler, 'skipped_waiting', ()))} waiting "
@@ -476,7 +477,8 @@ class Simulation:
                     )
                     break
                 # Else the step preempted and scheduled nothing (upstream skips the waiting
-                # queues in a step that preempts): the next step may schedule, at once.
+                # queues in a step that preempts), or released a waiting request's blocks
+                # (patch 0007): the next step may schedule, at once.
             step_end = clock + seconds
             running = len(scheduler.running)
             if busy:
