@@ -26,6 +26,7 @@ import pytest
 import tiny_models
 from engine import offloading_connector as connector_flag
 from engine import running_llm
+from scheduler_harness import seed_range
 
 from vllm.v1.hisparse.capacity import planner
 from vllm.v1.hisparse.capacity.simulate import (
@@ -315,8 +316,8 @@ def test_quick_simulation_of_glm53_on_8xh200_prints_one_record_per_configuration
 # scheduler with an MTP drafter's speculative tokens, the OffloadingConnector's scheduler
 # side beside HiSparse, and copies and connector jobs landing steps late over slow links,
 # in pools from roomy to tight; ownership is checked after every schedule and output.
-# `make test` runs SIM_STRESS_SEEDS of them (HISPARSE_SIM_STRESS_SEEDS=N for a long run).
-SIM_STRESS_SEEDS = range(int(os.environ.get("HISPARSE_SIM_STRESS_SEEDS", "6")))
+# `make test` runs SIM_STRESS_SEEDS of them (HISPARSE_SIM_STRESS_SEEDS=N or A:B for a long run).
+SIM_STRESS_SEEDS = seed_range(os.environ.get("HISPARSE_SIM_STRESS_SEEDS", "6"))
 
 
 # Seeds the long run found failing, kept in every run. All stalled with every request

@@ -11,11 +11,14 @@ vLLM's real Scheduler and KV cache manager (the scheduler harness), across:
   (where a KV consumer's frees follow upstream's fence);
 - preemption and resumption, and random aborts of waiting and running requests;
 - no connector, ExampleConnector imports into a decode instance (`kv_consumer`),
-  and OffloadingConnector loads (its workers played by the harness).
+  and OffloadingConnector loads (its workers played by the harness);
+- an MTP drafter of 1 to 3 tokens on the tiny GLM-5.3 (shared indexers, an MTP layer),
+  with drafts accepted at random (asynchronously, the scheduler's placeholders).
 
 After every step the harness runs HiSparse's ownership check; after the last, every
 device block, host page and copy must be back. `make test` runs six seeds of every
-configuration; HISPARSE_STRESS_SEEDS=N runs N (the long run: `make stress`).
+configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B seeds A to B-1 (the long run:
+`make stress`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import uuid
 
 import pytest
 import tiny_models
-from scheduler_harness import SchedulerHarness, tiny_glm5_dir
+from scheduler_harness import SchedulerHarness, seed_range, tiny_glm5_dir
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import COMPLETE_MARKER
@@ -35,7 +38,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector impo
 BLOCK = 64
 SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", index_topk=32, num_hidden_layers=6)
 PAGE_GIB = 6 * BLOCK * 576 * 2 / (1 << 30)  # bf16 latent rows of six layers
-SEEDS = range(int(os.environ.get("HISPARSE_STRESS_SEEDS", "6")))
+# Six layers sharing indexers four ways, and an MTP layer: seven sparse-MLA layers.
+GLM53_PAGE_GIB = 7 * BLOCK * 576 * 2 / (1 << 30)
+SEEDS = seed_range(os.environ.get("HISPARSE_STRESS_SEEDS", "6"))
 CONNECTORS = ("none", "example", "offloading")
 
 
@@ -127,6 +132,22 @@ def test_random_multi_turn_sessions_keep_one_owner_per_block_page_and_copy(
 FOUND_BY_THE_LONG_RUN = [("example", True, seed) for seed in (88, 175, 214, 546, 884)]
 
 
+@pytest.fixture(scope="module")
+def glm53_model() -> str:
+    return str(tiny_glm5_dir(tiny_models.TINY_GLM53))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("connector", "async_scheduling"),
+    [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
+)
+def test_random_sessions_with_an_mtp_drafter_keep_one_owner_per_block_page_and_copy(
+    glm53_model, tmp_path, connector, async_scheduling, seed
+):
+    run_stress(glm53_model, tmp_path, connector, async_scheduling, seed, drafter=True)
+
+
 @pytest.mark.parametrize(("connector", "async_scheduling", "seed"), FOUND_BY_THE_LONG_RUN)
 def test_cases_the_long_run_found_keep_one_owner_per_block_page_and_copy(
     model, tmp_path, connector, async_scheduling, seed
@@ -134,16 +155,27 @@ def test_cases_the_long_run_found_keep_one_owner_per_block_page_and_copy(
     run_stress(model, tmp_path, connector, async_scheduling, seed)
 
 
-def run_stress(model: str, tmp_path, connector: str, async_scheduling: bool, seed: int) -> None:
-    rng = random.Random(f"{connector}-{async_scheduling}-{seed}")
+def run_stress(
+    model: str, tmp_path, connector: str, async_scheduling: bool, seed: int, drafter: bool = False
+) -> None:
+    rng = random.Random(f"{connector}-{async_scheduling}-{seed}" + ("-mtp" if drafter else ""))
     memory_mib = rng.choice([6, 7, 8, 10, 14])
     host_pages = rng.choice([17, 24, 40, 400])
     mode = rng.choice(["hybrid", "hybrid", "always"])
+    drafts: dict = {}
+    if drafter:
+        num_drafts = rng.randint(1, 3)
+        drafts = dict(
+            speculative_config={"method": "mtp", "num_speculative_tokens": num_drafts},
+            accepted_drafts=lambda n: rng.randint(0, n), drafter_layers=True,
+        )  # fmt: skip
+    page_gib = GLM53_PAGE_GIB if drafter else PAGE_GIB
     h = SchedulerHarness.create(
         model=model,
-        memory_bytes=memory_mib << 20,
+        # The drafter's layer and the indexers stay whole on the device: a third more.
+        memory_bytes=round((memory_mib << 20) * (1.35 if drafter else 1)),
         attention_config={
-            "hisparse_config": {"host_pool_gib": (host_pages + 0.5) * PAGE_GIB, "mode": mode,
+            "hisparse_config": {"host_pool_gib": (host_pages + 0.5) * page_gib, "mode": mode,
                                 "proactive_copy": rng.random() < 0.8}
         },
         max_model_len=1024,
@@ -151,12 +183,19 @@ def run_stress(model: str, tmp_path, connector: str, async_scheduling: bool, see
         kv_transfer_config=transfer_config(connector, tmp_path),
         async_scheduling=async_scheduling,
         report_delay=lambda: rng.randint(0, 3),
+        **drafts,
     )  # fmt: skip
+    if drafter:
+        assert h.num_speculative_tokens == num_drafts and h.scheduler.num_spec_tokens == num_drafts
     if connector == "example" and async_scheduling:
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
     seen = run_sessions(h, rng, connector)
     assert_nothing_held(h)
     stats = h.hisparse.stats()
     # The workload did what it exists for: residency moved under pressure.
-    assert stats["pages_copied_to_host"] > 0
+    # (With the drafter's larger pool, 14 MiB without proactive copies is roomy enough
+    # that nothing need be copied.)
+    assert stats["pages_copied_to_host"] > 0 or (drafter and memory_mib >= 14), stats
     assert stats["pages_demoted"] + seen["preempted"] > 0 or memory_mib >= 10, (stats, seen)
+    if drafter:  # the drafter's tokens were verified, and some accepted
+        assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted

@@ -35,6 +35,12 @@ and drives the scheduler step by step the way ``EngineCore.step`` does.
 - ``async_scheduling=True`` steps the way ``EngineCore.step_with_batch_queue`` does with
   two batches in flight: the next step is scheduled before the previous step's output is
   processed (the scheduler is then vLLM's ``AsyncScheduler``).
+- With a ``speculative_config`` (an MTP drafter: pass the drafter's layers in ``specs``,
+  e.g. the planner's ``layer_kv_cache_specs``), a request that decodes with ``k`` draft
+  tokens samples ``1 + accepted_drafts(k)`` tokens. Synchronously the harness proposes
+  ``num_speculative_tokens`` drafts for every request of a processed step, as
+  ``EngineCore.step`` does with the drafter's ids; asynchronously the scheduler's own
+  placeholders stand for them, as on a GPU.
 
 It runs no model: the worker and executor are absent, so nothing is computed and no KV
 cache memory is allocated; only scheduling and block accounting are real. It never
@@ -72,6 +78,16 @@ HISPARSE = {"hisparse_config": {"host_pool_gib": 1}}
 INDEXER_QUANT_BLOCK = 128
 # The synthetic "sampled" token: a plain vocabulary id, not bos/eos/pad (ids 0-2).
 DEFAULT_SAMPLED_TOKEN = 100
+
+
+def seed_range(text: str) -> range:
+    """Stress seeds from an environment value: "N" is seeds 0 to N-1, "A:B" seeds A to B-1
+    (a long run continued where another stopped)."""
+    start, _, stop = text.rpartition(":")
+    try:
+        return range(int(start or 0), int(stop))
+    except ValueError:
+        raise ValueError(f"a seed count N or a range A:B, not {text!r}") from None
 
 
 def tiny_glm5_dir(spec: tiny_models.TinyModelSpec = TINY_GLM5) -> Path:
@@ -278,6 +294,7 @@ class SchedulerHarness:
         runs_hisparse_plans: bool = True,
         report_delay: int | Callable[[], int] = 0,
         check_ownership: bool = True,
+        accepted_drafts: Callable[[int], int] = lambda num_drafts: 0,
     ) -> None:
         from vllm.config import hisparse as hisparse_config
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -303,6 +320,12 @@ class SchedulerHarness:
         # Steps until a planned copy is reported: a number, or a function drawing one.
         self.report_delay = report_delay if callable(report_delay) else (lambda: report_delay)
         self.check_ownership = check_ownership
+        self.accepted_drafts = accepted_drafts
+        # Draft tokens scheduled for verification, and those the fake sampler accepted.
+        self.drafts_scheduled = 0
+        self.drafts_accepted = 0
+        spec = vllm_config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         # Copy reports not yet delivered: (the step that delivers them, copy ids).
         self._reports: list[tuple[int, list[int]]] = []
         # OffloadingConnector jobs not yet completed: (the step that completes them, job
@@ -326,17 +349,29 @@ class SchedulerHarness:
         runs_hisparse_plans: bool = True,
         report_delay: int | Callable[[], int] = 0,
         check_ownership: bool = True,
+        accepted_drafts: Callable[[int], int] = lambda num_drafts: 0,
+        drafter_layers: bool = False,
         **config_args: Any,
     ) -> SchedulerHarness:
-        """A harness over a fresh ``make_vllm_config(**config_args)``."""
+        """A harness over a fresh ``make_vllm_config(**config_args)``; ``drafter_layers``
+        takes the layer specs from the planner, which adds an MTP drafter's layers (and
+        leaves out the indexer caches of layers that share another layer's)."""
+        vllm_config = make_vllm_config(**config_args)
+        specs = None
+        if drafter_layers:
+            from vllm.v1.hisparse.capacity.planner import layer_kv_cache_specs
+
+            specs = layer_kv_cache_specs(vllm_config)
         return cls(
-            make_vllm_config(**config_args),
+            vllm_config,
             num_blocks=num_blocks,
             memory_bytes=memory_bytes,
+            specs=specs,
             sampled_token=sampled_token,
             runs_hisparse_plans=runs_hisparse_plans,
             report_delay=report_delay,
             check_ownership=check_ownership,
+            accepted_drafts=accepted_drafts,
         )
 
     # ------------------------------------------------------------------ state
@@ -403,6 +438,7 @@ class SchedulerHarness:
         from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        spec = scheduler_output.scheduled_spec_decode_tokens
         sampled: list[list[int]] = []
         for req_id in req_ids:
             request = self.scheduler.requests.get(req_id)
@@ -410,7 +446,12 @@ class SchedulerHarness:
                 sampled.append([])
                 continue
             done_prefill = request.num_computed_tokens >= request.num_tokens
-            sampled.append([self.sampled_token] if done_prefill else [])
+            drafts = len(spec.get(req_id, ()))
+            accepted = min(drafts, self.accepted_drafts(drafts)) if drafts else 0
+            if done_prefill:
+                self.drafts_scheduled += drafts
+                self.drafts_accepted += accepted
+            sampled.append([self.sampled_token] * (1 + accepted) if done_prefill else [])
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
@@ -440,6 +481,16 @@ class SchedulerHarness:
         finished = {req_id for _, _, req_id in done if req_id is not None} - loading
         worker_meta = OffloadingWorkerMetadata(completed_jobs={job_id: 1 for _, job_id, _ in done})
         return KVConnectorOutput(finished_recving=finished, kv_connector_worker_meta=worker_meta)
+
+    def _propose_drafts(self, scheduler_output: SchedulerOutput) -> None:
+        """The drafter's proposals for the step's requests (the scheduler drops those of
+        a request still prefilling)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        req_ids = [r for r in scheduler_output.num_scheduled_tokens if r in self.scheduler.requests]
+        if req_ids:
+            drafts = [[self.sampled_token] * self.num_speculative_tokens for _ in req_ids]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
 
     def _copy_reports(self, scheduler_output: SchedulerOutput) -> list[int] | None:
         """The copy ids this step's worker reports: its own copies after their delay, and
@@ -478,6 +529,8 @@ class SchedulerHarness:
         if not (queue_has_room and (executed or self.scheduler.has_requests())):
             done, output = self._batches.pop()
             self.scheduler.update_from_output(done, output)
+            if self.num_speculative_tokens and self.batch_queue_size == 1:
+                self._propose_drafts(done)
 
         observation = StepObservation(
             step=len(self.observations),
