@@ -93,6 +93,8 @@ class Admissions:
         hit_chunk_tokens: int | None = None,
         release_histories: Callable[[int], int] = lambda num_blocks: 0,
         nothing_runs: Callable[[], bool] = lambda: False,
+        chunk_tokens: int = 0,
+        lookahead_tokens: int = 0,
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -108,6 +110,9 @@ class Admissions:
         self.hit_chunk_tokens = hit_chunk_tokens
         # Whether no request runs (nothing else will free blocks for an admission).
         self._nothing_runs = nothing_runs
+        # The most tokens a step schedules for one request, and a drafter's lookahead slots.
+        self.chunk_tokens = chunk_tokens
+        self.lookahead_tokens = lookahead_tokens
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
 
@@ -240,14 +245,18 @@ class Admissions:
         ends the hit; with an EAGLE/MTP drafter the hit then drops its last page,
         as upstream's does. Host pages cost the request a hot lease, taken here.
 
-        When no request runs, nothing else will free blocks: the hit then touches at
-        most the free blocks that the request's chunk after it (its last page, one
-        more, and one for a drafter's lookahead, in every group) and its lease leave;
-        a sparse-MLA page past that comes from the host pool where it holds one, else
-        the hit ends there. Without that cap, a history cached on the device could take
-        the free blocks the request's own chunk needs, and the engine would wait for
-        ever.
+        When no request runs, nothing else will free blocks: the hit, upstream's device
+        hit included, then touches at most the free blocks that the request's chunk
+        after it (`room_when_alone`) and its lease leave; a sparse-MLA page past that
+        comes from the host pool where it holds one, else the hit ends there. Without
+        that cap, a history cached on the device could take the free blocks the
+        request's own chunk needs, and the engine would wait for ever.
         """
+        capped = self._nothing_runs()
+        room = 0
+        if capped:
+            room = self.room_when_alone(request)
+            blocks, num_tokens, room = self._cap_device_hit(blocks, num_tokens, room)
         record = self.begin(request, blocks)
         if not self.host_prefix_hits or num_tokens % self.block_size:
             return blocks, num_tokens
@@ -256,11 +265,6 @@ class Admissions:
         max_pages = (request.num_tokens - 1) // self.block_size
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
-        capped = self._nothing_runs()
-        if capped:
-            # Free blocks the hit may touch: what the chunk after it and a lease leave.
-            chunk_blocks = 3 * (len(mla_ids) + len(other_ids))
-            room = self.blocks.num_free_blocks() - chunk_blocks - self._lease_blocks_for(request)
         for position in range(start, max_pages):
             block_hash = request.block_hashes[position]
             other = self.blocks.cached_page(block_hash, other_ids)
@@ -319,6 +323,35 @@ class Admissions:
             columns[g] = [other[i] for _, other in pages]
         return self.blocks.with_columns(blocks, columns), num_tokens + len(pages) * self.block_size
 
+    def room_when_alone(self, request: Request) -> int:
+        """Free blocks a hit may touch when no request runs: what the request's first chunk
+        (a whole step's tokens, one page more for an unaligned start and one for a
+        drafter's lookahead, at least three pages, in every group) and its hot lease
+        leave."""
+        tokens = min(self.chunk_tokens, request.num_tokens) + self.lookahead_tokens
+        chunk_pages = max(3, -(-tokens // self.block_size) + 1)
+        num_groups = len(self.blocks.mla_group_ids) + len(self.blocks.other_group_ids)
+        return self.blocks.num_free_blocks() - chunk_pages * num_groups - self._lease_blocks_for(request)
+
+    def _cap_device_hit(
+        self, blocks: KVCacheBlocks, num_tokens: int, room: int
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """Upstream's device hit cut at the first page whose free blocks pass `room` (the
+        extension then goes on from there, taking host copies where the pool holds them);
+        the hit and the room left."""
+        num_pages = min((len(group) for group in blocks.blocks), default=0)
+        for position in range(num_pages):
+            touched = sum(
+                1 for group in blocks.blocks if not group[position].is_null and group[position].ref_cnt == 0
+            )
+            if touched > room:
+                from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+                cut = KVCacheBlocks(tuple(list(group[:position]) for group in blocks.blocks))
+                return cut, position * self.block_size, room
+            room -= touched
+        return blocks, num_tokens, room
+
     def cap_external_hit(
         self,
         request: Request,
@@ -335,9 +368,11 @@ class Admissions:
         hit stands as far as the host pool holds its pages (each retained), cut at
         the connector's chunk boundary below the first page it lacks (a session's
         next turn keeps the history the pool holds and recomputes only the rest);
-        a connector whose hits cannot be cut loads all of it or nothing. Then, in
-        hybrid mode with room in the pool (the restored pages take at most half of
-        the free blocks), the pages are
+        a connector whose hits cannot be cut loads all of it or nothing. When no
+        request runs, the hit is also cut where its blocks would leave the chunk after
+        it too few (`room_when_alone`). Then, in hybrid mode with room in the pool
+        (the restored pages take at most half of the free blocks, or alone, what the
+        chunk leaves), the pages are
         restored into the blocks allocated for the hit (`after_allocation`);
         otherwise they stay in the host pool: the local hit's blocks gain null
         placeholders for them in the sparse-MLA groups, and the request takes a hot
@@ -370,11 +405,22 @@ class Admissions:
                 break
             hit[PageIndex(position)] = HostPage(host_page)
         restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
-        if (
-            not record.host_pages
-            and self.residency.mode == "hybrid"
-            and restore_blocks <= self.blocks.num_free_blocks() // 2
-        ):
+        room = self.blocks.num_free_blocks() // 2
+        if self._nothing_runs():
+            # Alone, the load's blocks (the connector's groups, every page) and any restore
+            # must leave the chunk after it its blocks, as a device hit does.
+            num_other = len(self.blocks.other_group_ids)
+            room = self.room_when_alone(request) - sum(b.ref_cnt == 0 for b in record.hit)
+            affordable = max(room, 0) // num_other if num_other else len(hit)
+            if len(hit) > affordable:
+                num_external_tokens = self._cut_hit(
+                    hit, num_local_tokens, num_local_tokens + affordable * self.block_size
+                )
+                if not num_external_tokens:
+                    return new_computed_blocks, 0
+            room -= len(hit) * num_other
+            restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
+        if not record.host_pages and self.residency.mode == "hybrid" and restore_blocks <= room:
             record.restores = hit
             return new_computed_blocks, num_external_tokens
         # The page holding the last prompt token is written again (a full-prompt hit

@@ -178,6 +178,8 @@ class HiSparseScheduling:
             hit_chunk_tokens=hit_chunk_tokens(scheduler.connector),
             release_histories=self._release_histories_for_admission,
             nothing_runs=lambda: not self.scheduler.running,
+            chunk_tokens=scheduler.scheduler_config.max_num_batched_tokens,
+            lookahead_tokens=scheduler.num_lookahead_tokens,
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):

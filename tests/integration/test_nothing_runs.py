@@ -1,16 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Waiting requests that hold blocks never strand one another (patch 0007, waiting_holders.py).
+"""With nothing running, a waiting request can always go on: nothing else will free a block.
 
-A connector's asynchronous load leaves its request waiting with device blocks for the
-tokens it loaded; only the request's own compute frees them. Upstream admits such a load
-beside the other loads' reservations, but not the blocks its own remaining prefill (or a
-drafter's lookahead) needs, so two landed loads can each hold their history while
-neither's next chunk fits, with nothing running to free a block. The scheduler then gives
-the youngest holder's blocks back, as a preemption would, and the other goes on.
+Waiting requests that hold blocks never strand one another (patch 0007,
+waiting_holders.py). A connector's asynchronous load leaves its request waiting with
+device blocks for the tokens it loaded; only the request's own compute frees them.
+Upstream admits such a load beside the other loads' reservations, but not the blocks its
+own remaining prefill (or a drafter's lookahead) needs, so two landed loads can each hold
+their history while neither's next chunk fits, with nothing running to free a block. The
+scheduler then gives the youngest holder's blocks back, as a preemption would, and the
+other goes on. Here the state a landed, promoted load leaves is made directly through the
+KV cache manager (the same calls the scheduler makes for an async load and its landing),
+on the real scheduler of the scheduler harness, so that the case is exact and small.
 
-Here the state a landed, promoted load leaves is made directly through the KV cache
-manager (the same calls the scheduler makes for an async load and its landing), on the
-real scheduler of the scheduler harness, so that the case is exact and small.
+A request alone takes no more of its history from the device than leaves its first chunk
+room (admission.py, `room_when_alone`). With HiSparse a request may be longer than the
+pool holds; its history cached on the device, upstream's prefix hit included, could take
+the free blocks its own chunk needs.
 """
 
 from __future__ import annotations
@@ -50,8 +55,7 @@ def test_two_landed_loads_that_strand_each_other_both_finish(config, async_sched
     )
     rng = random.Random(7)
     older, younger = (
-        h.add_request([rng.randrange(3, 3000) for _ in range(PROMPT_TOKENS)], max_tokens=4)
-        for _ in range(2)
+        h.add_request([rng.randrange(3, 3000) for _ in range(PROMPT_TOKENS)], max_tokens=4) for _ in range(2)
     )
     land(h, older, LOADED_TOKENS)
     land(h, younger, LOADED_TOKENS)
@@ -81,8 +85,7 @@ def test_nothing_is_released_while_a_load_is_still_in_flight():
     h = sh.SchedulerHarness.create(num_blocks=NUM_BLOCKS, max_num_batched_tokens=1024)
     rng = random.Random(8)
     older, younger = (
-        h.add_request([rng.randrange(3, 3000) for _ in range(PROMPT_TOKENS)], max_tokens=4)
-        for _ in range(2)
+        h.add_request([rng.randrange(3, 3000) for _ in range(PROMPT_TOKENS)], max_tokens=4) for _ in range(2)
     )
     land(h, older, LOADED_TOKENS)
     land(h, younger, LOADED_TOKENS)
@@ -92,3 +95,30 @@ def test_nothing_is_released_while_a_load_is_still_in_flight():
         assert not h.step().num_scheduled_tokens
     assert h.scheduler.num_holders_released == 0
     assert older.num_computed_tokens == younger.num_computed_tokens == LOADED_TOKENS
+
+
+def test_a_request_alone_whose_cached_history_leaves_its_chunk_no_room_goes_on():
+    """A finished turn's 10 pages stay cached on a 13-page device; the next turn (16 pages,
+    more than the device holds) arrives with nothing running. Its hit leaves its first
+    256-token chunk room, and the turn runs to the end, its older pages going to the host."""
+    h = sh.SchedulerHarness.create(
+        num_blocks=1 + 3 * 13, attention_config=sh.HISPARSE, max_num_batched_tokens=256
+    )
+    assert h.num_groups == 3
+    rng = random.Random(3)
+    first = h.add_request([rng.randrange(3, 3000) for _ in range(10 * BLOCK)], max_tokens=1)
+    h.run_until_done(max_steps=50)
+    history = [*first.prompt_token_ids, *first.output_token_ids]
+    second = h.add_request(history + [rng.randrange(3, 3000) for _ in range(370)], max_tokens=4)
+    assert second.num_tokens > 13 * BLOCK, "longer than the device holds"
+
+    observations = h.run_until_done(max_steps=100)
+
+    assert second.is_finished() and second.num_output_tokens == 4
+    (cached,) = [obs.new_request_cached_tokens[second.request_id] for obs in observations
+                 if second.request_id in obs.new_request_cached_tokens]  # fmt: skip
+    # Part of the history, not all: the first chunk's 5 pages and the lease fit beside it.
+    assert 0 < cached < 10 * BLOCK
+    assert observations[0].num_scheduled_tokens == {second.request_id: 256}
+    assert h.hisparse.stats()["pages_demoted"] > 0
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1, "every block returns"
