@@ -114,24 +114,6 @@ def assert_nothing_held(h: SchedulerHarness) -> None:
     assert not h.scheduler.deferred_frees
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize(
-    ("connector", "async_scheduling"),
-    [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
-)
-def test_random_multi_turn_sessions_keep_one_owner_per_block_page_and_copy(
-    model, tmp_path, connector, async_scheduling, seed
-):
-    run_stress(model, tmp_path, connector, async_scheduling, seed)
-
-
-# Cases the long run (`make stress`) found failing, kept in every run. With a KV consumer's
-# deferred frees, a chunk's staging counted free blocks that the relief for its extra
-# staging then gave to a victim's hot lease (the blocks that relief freed return only
-# after the step in flight): the staging take failed and the scheduler raised.
-FOUND_BY_THE_LONG_RUN = [("example", True, seed) for seed in (88, 175, 214, 546, 884)]
-
-
 @pytest.fixture(scope="module")
 def glm53_model() -> str:
     return str(tiny_glm5_dir(tiny_models.TINY_GLM53))
@@ -142,10 +124,19 @@ def glm53_model() -> str:
     ("connector", "async_scheduling"),
     [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
 )
-def test_random_sessions_with_an_mtp_drafter_keep_one_owner_per_block_page_and_copy(
-    glm53_model, tmp_path, connector, async_scheduling, seed
+@pytest.mark.parametrize("drafter", [False, True], ids=["no-drafter", "mtp"])
+def test_random_multi_turn_sessions_keep_one_owner_per_block_page_and_copy(
+    model, glm53_model, tmp_path, connector, async_scheduling, drafter, seed
 ):
-    run_stress(glm53_model, tmp_path, connector, async_scheduling, seed, drafter=True)
+    """Without a drafter on the six-layer tiny GLM-5; with one on the tiny GLM-5.3."""
+    run_stress(glm53_model if drafter else model, tmp_path, connector, async_scheduling, seed, drafter)
+
+
+# Cases the long run (`make stress`) found failing, kept in every run. With a KV consumer's
+# deferred frees, a chunk's staging counted free blocks that the relief for its extra
+# staging then gave to a victim's hot lease (the blocks that relief freed return only
+# after the step in flight): the staging take failed and the scheduler raised.
+FOUND_BY_THE_LONG_RUN = [("example", True, seed) for seed in (88, 175, 214, 546, 884)]
 
 
 @pytest.mark.parametrize(("connector", "async_scheduling", "seed"), FOUND_BY_THE_LONG_RUN)
