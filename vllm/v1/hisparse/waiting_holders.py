@@ -56,11 +56,7 @@ def can_go_on_holding_blocks(scheduler: Scheduler, request: Request) -> bool:
         and request.request_id not in scheduler.finished_recving_kv_req_ids
     ):
         return False
-    request_id = request.request_id
-    return any(
-        manager.req_to_blocks.get(request_id)
-        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers
-    )
+    return _holds_blocks(scheduler, request)
 
 
 def holder_waits_behind(scheduler: Scheduler, request: Request) -> bool:
@@ -73,6 +69,7 @@ def holder_waits_behind(scheduler: Scheduler, request: Request) -> bool:
 
 
 def _holds_blocks(scheduler: Scheduler, request: Request) -> bool:
+    """Whether `request` holds device blocks in any KV cache group."""
     request_id = request.request_id
     return any(
         manager.req_to_blocks.get(request_id)
