@@ -9,6 +9,7 @@ torch.ops.load_library, so it is built against the limited Python API and
 loads on every CPython the upstream abi3 wheel supports.
 """
 
+import os
 from pathlib import Path
 
 from setuptools import setup
@@ -22,6 +23,10 @@ CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compu
 def extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
+    # The C++ runtime torch loads, named after the objects where the compiler would link a
+    # private copy of it (scripts/cuda_build.py, compile_extension).
+    cxx_runtime = os.environ.get("HISPARSE_CXX_RUNTIME")
+
     sources = sorted(str(p) for p in CSRC.rglob("*") if p.suffix in (".cu", ".cpp"))
     if not sources:
         raise SystemExit("csrc/ holds no kernel sources: there is no extension to build")
@@ -33,6 +38,7 @@ def extensions():
             py_limited_api=True,
             # -g0 after Python's own CFLAGS (which carry -g): no debug information.
             extra_compile_args={"cxx": ["-O3", "-g0"], "nvcc": ["-O3", *CUDA_ARCH_FLAGS]},
+            extra_link_args=[cxx_runtime] if cxx_runtime else [],
         )
     ]
 

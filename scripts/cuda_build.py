@@ -9,9 +9,10 @@ Owns what the CUDA wheel needs to compile the extension, GPU or not:
   the torch the upstream CUDA wheel pins (read from that wheel's metadata, so
   the pin stays in one place), created by the build itself from the package
   index and reused while the version matches;
-- compiling with `setup.py` for every architecture in `CUDA_ARCHS`, stripping
-  debug information, and checking the glibc the library needs against the
-  platform tag the wheel will carry.
+- compiling with `setup.py` for every architecture in `CUDA_ARCHS`, linked to the
+  shared C++ runtime torch loads (never a private copy of it), stripping debug
+  information, and checking the glibc the library needs against the platform
+  tag the wheel will carry.
 
 It fails with a message saying what is missing; it never returns a build
 without the extension. It never touches .venv or an installed vLLM.
@@ -119,6 +120,92 @@ def required_glibc(library: Path) -> tuple[int, int]:
     return max(versions, default=(2, 17))[:2]  # type: ignore[return-value]
 
 
+# setup.py links this C++ runtime, when set, after the objects (see compile_extension).
+CXX_RUNTIME_ENV = "HISPARSE_CXX_RUNTIME"
+CXX_RUNTIME = "libstdc++.so.6"
+
+
+def needed_libraries(library: Path) -> list[str]:
+    """The shared libraries a shared object names as NEEDED (its dynamic section)."""
+    dump = subprocess.run(["objdump", "-p", str(library)], capture_output=True, text=True, check=True)
+    return re.findall(r"^\s*NEEDED\s+(\S+)", dump.stdout, flags=re.M)
+
+
+def loaded_cxx_runtime(interpreter: str) -> Path | None:
+    """The C++ runtime (libstdc++.so.6) `interpreter` has mapped once torch is imported:
+    the one the extension shares at run time."""
+    probe = subprocess.run(
+        [
+            interpreter,
+            "-c",
+            "import torch\n"
+            "for line in open('/proc/self/maps'):\n"
+            f"    if line.rstrip().endswith('/{CXX_RUNTIME}') or '/{CXX_RUNTIME}.' in line:\n"
+            "        print(line.split()[-1]); break",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = probe.stdout.strip()
+    return Path(found) if probe.returncode == 0 and found else None
+
+
+def compile_extension(interpreter: str, build_lib: Path, build_temp: Path, env: dict[str, str]) -> Path:
+    """`setup.py build_ext` with `interpreter`; the library, which links the shared C++ runtime.
+
+    Some toolchains (a compiler whose specs carry -static-libstdc++, or that has only
+    libstdc++.a) would put a private copy of the C++ runtime into the library. torch has
+    its own, and the private copy's stream machinery is never initialised in a library
+    loaded this way: the first formatted message (a warning, a failed check) crashes the
+    process. When the first link comes out so, the library is linked again with the
+    runtime torch itself loads named after the objects, which the linker then prefers."""
+
+    def run(extra_env: dict[str, str], force: bool) -> Path:
+        done = subprocess.run(
+            [
+                interpreter,
+                str(REPO / "setup.py"),
+                "build_ext",
+                "--build-lib",
+                str(build_lib),
+                "--build-temp",
+                str(build_temp),
+                *(["--force"] if force else []),
+            ],
+            cwd=REPO,
+            env={**env, **extra_env},
+            check=False,
+        )
+        library = build_lib / EXTENSION
+        if done.returncode != 0 or not library.is_file():
+            raise CudaBuildError(f"compiling csrc/ failed (setup.py build_ext exited {done.returncode})")
+        return library
+
+    library = run({}, force=False)
+    if CXX_RUNTIME in needed_libraries(library):
+        return library
+    runtime = loaded_cxx_runtime(interpreter)
+    compiler = env.get("CXX") or "c++"
+    if runtime is None:
+        raise CudaBuildError(
+            f"the extension was linked with a private copy of the C++ runtime ({compiler} links "
+            f"libstdc++ statically) and torch's own {CXX_RUNTIME} could not be found to link "
+            "instead; set CXX and CC to a compiler that links libstdc++ as a shared library"
+        )
+    print(
+        f"extension: {compiler} linked libstdc++ statically; linking {runtime} (torch's own) instead",
+        flush=True,
+    )
+    library = run({CXX_RUNTIME_ENV: str(runtime)}, force=True)
+    if CXX_RUNTIME not in needed_libraries(library):
+        raise CudaBuildError(
+            f"the extension still carries a private copy of the C++ runtime after linking {runtime}; "
+            f"set CXX and CC to a compiler that links libstdc++ as a shared library (now {compiler})"
+        )
+    return library
+
+
 def build_extension(
     torch_requirement: str, workdir: Path, glibc_limit: tuple[int, int], python: str | None = None
 ) -> dict[str, bytes]:
@@ -128,26 +215,9 @@ def build_extension(
         raise CudaBuildError("csrc/ holds no kernel sources")
     cuda_home = find_cuda_home()
     interpreter = python or str(ensure_build_env(torch_requirement))
-    build_lib = workdir / "build-lib"
     env = {**os.environ, "CUDA_HOME": str(cuda_home), "PATH": f"{cuda_home / 'bin'}:{os.environ['PATH']}"}
     print(f"extension: compiling csrc/ with {cuda_home / 'bin' / 'nvcc'} and {interpreter}", flush=True)
-    done = subprocess.run(
-        [
-            interpreter,
-            str(REPO / "setup.py"),
-            "build_ext",
-            "--build-lib",
-            str(build_lib),
-            "--build-temp",
-            str(workdir / "build-temp"),
-        ],
-        cwd=REPO,
-        env=env,
-        check=False,
-    )
-    library = build_lib / EXTENSION
-    if done.returncode != 0 or not library.is_file():
-        raise CudaBuildError(f"compiling csrc/ failed (setup.py build_ext exited {done.returncode})")
+    library = compile_extension(interpreter, workdir / "build-lib", workdir / "build-temp", env)
     subprocess.run(["strip", "--strip-debug", str(library)], check=True)
     needs = required_glibc(library)
     if needs > glibc_limit:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Every GPU check of the HiSparse kernels, in one command, on a bare GPU machine.
 
-Usage: python3 scripts/gpu_check.py [--out docs/kernels.md] [--quick] [--sanitize]
+Usage: python3 scripts/gpu_check.py [--out docs/gpu-check.md] [--quick] [--sanitize]
 
 Needs torch with CUDA and nvcc (no vLLM, no network). It:
 1. builds csrc/ as the CUDA wheel does (setup.py, sm_90a and sm_100a) and loads it
@@ -20,7 +20,7 @@ Needs torch with CUDA and nvcc (no vLLM, no network). It:
    0%, 10% and 50% misses, the host->device GB/s of the miss path and of page copies,
    and one batched post-forward copy against one launch per layer;
 5. writes the figures and verdicts to --out ($OUT/kernels.md when OUT names a folder,
-   else docs/kernels.md) and to stdout, and the measured bandwidths beside the report
+   else docs/gpu-check.md) and to stdout, and the measured bandwidths beside the report
    as `simulator-constants.json` for the capacity simulator.
 
 Exit status: 0 when every check is bit-exact (and pytest passed), 1 otherwise, 2 when
@@ -57,7 +57,7 @@ def build_extension() -> tuple[float, Path]:
     import tempfile
 
     import torch
-    from cuda_build import EXTENSION, find_cuda_home
+    from cuda_build import compile_extension, find_cuda_home
 
     from vllm.v1.hisparse.ops import OPS, ops_registered
 
@@ -65,25 +65,43 @@ def build_extension() -> tuple[float, Path]:
     env = {**os.environ, "CUDA_HOME": str(home), "PATH": f"{home / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     began = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="gpu-check-build-"))
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "setup.py"),
-            "build_ext",
-            "--build-lib",
-            str(work / "lib"),
-            "--build-temp",
-            str(work / "temp"),
-        ],
-        cwd=REPO,
-        env=env,
-        check=True,
-    )
-    library = work / "lib" / EXTENSION
+    library = compile_extension(sys.executable, work / "lib", work / "temp", env)
     torch.ops.load_library(str(library))
     if not ops_registered():
         raise RuntimeError(f"the built library does not register torch.ops._hisparse_C.{{{', '.join(OPS)}}}")
+    check_messages_format()
     return time.perf_counter() - began, library
+
+
+def check_messages_format() -> None:
+    """The loaded library formats numbers into its messages. A library carrying a private,
+    uninitialised copy of the C++ runtime cannot: there a message comes out cut short, or
+    the process crashes (as a warning's did on a GPU machine). Runs on meta tensors, so it
+    needs no GPU."""
+    import torch
+
+    def meta(*shape, dtype=torch.long):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    try:
+        torch.ops._hisparse_C.copy_host_rows(
+            meta(4, dtype=torch.uint8),  # not rows [rows, width]: refused, naming its sizes
+            meta(2),
+            meta(4, 16, dtype=torch.uint8),
+            meta(2),
+            meta(2, dtype=torch.bool),
+            meta(1),
+            1,
+            1,
+        )
+    except RuntimeError as e:
+        if "got [4]" in str(e):
+            return
+        raise RuntimeError(
+            f"the built library cannot format its own messages ({str(e).splitlines()[0]!r}): its C++ "
+            "runtime is not the one torch uses"
+        ) from None
+    raise RuntimeError("the built library accepted a 1-D kv_rows: its checks are not the ones in csrc/")
 
 
 # test_production_shapes.py calls the same checks `verdicts` runs and tabulates below.
@@ -98,13 +116,28 @@ PYTEST_ARGS = (
 )
 
 
-def run_pytest() -> str:
-    try:
-        import pytest
-    except ImportError:
+def pytest_command() -> list[str] | None:
+    """tests/kernels in a child process: a crash there (a signal) fails the run instead of
+    ending this one before its report. With pytest-xdist, across 4 workers, each crash
+    failing one test and the rest still running. None without pytest."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None:
+        return None
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") is not None else []
+    return [sys.executable, "-X", "faulthandler", "-m", "pytest", *workers, "-rf", *PYTEST_ARGS]
+
+
+def run_pytest(library: Path) -> str:
+    command = pytest_command()
+    if command is None:
         return "not run: pytest is not installed here (the shared checks below ran without it)"
-    code = pytest.main(list(PYTEST_ARGS))
-    return "passed" if int(code) == 0 else f"FAILED (pytest exit {int(code)})"
+    print("gpu_check: tests/kernels", flush=True)
+    env = {**os.environ, EXTENSION_LIBRARY_ENV: str(library)}
+    code = subprocess.run(command, cwd=REPO, env=env, check=False).returncode
+    if code == 0:
+        return "passed"
+    return f"FAILED (pytest exit {code}{f', killed by signal {-code}' if code < 0 else ''}; see the output)"
 
 
 def find_sanitizer() -> Path | None:
@@ -239,7 +272,7 @@ def default_out() -> Path:
     folder = os.environ.get("OUT")
     if folder and Path(folder).is_dir():
         return Path(folder) / "kernels.md"
-    return REPO / "docs" / "kernels.md"
+    return REPO / "docs" / "gpu-check.md"
 
 
 def torch_note(version: str) -> str:
@@ -258,15 +291,16 @@ def torch_note(version: str) -> str:
 def simulator_constants(figures: dict) -> dict[str, float]:
     """The measured bandwidths as the capacity simulator's constants (`python -m
     vllm.v1.hisparse.capacity simulate --constants FILE`): whole-page copies each way, and
-    the resolver's miss path (its rows gathered host -> device) at 50% misses."""
+    the resolver's miss path (its rows gathered host -> device) at 10% misses, the share
+    the step model's hot-buffer hit rate (90%) leaves."""
     constants = {}
     pages, resolver = figures.get("pages", {}), figures.get("resolver", {})
     if pages.get(False, {}).get("batched_gbps"):
         constants["h2d_bytes_per_s"] = pages[False]["batched_gbps"] * 1e9
     if pages.get(True, {}).get("batched_gbps"):
         constants["d2h_bytes_per_s"] = pages[True]["batched_gbps"] * 1e9
-    if resolver.get(0.5, {}).get("h2d_gbps"):
-        constants["row_h2d_bytes_per_s"] = resolver[0.5]["h2d_gbps"] * 1e9
+    if resolver.get(0.1, {}).get("h2d_gbps"):
+        constants["row_h2d_bytes_per_s"] = resolver[0.1]["h2d_gbps"] * 1e9
     return constants
 
 
@@ -274,7 +308,7 @@ def write_report(
     out: Path, machine: dict, pytest_result: str, rows: list[tuple[str, dict]], figures: dict, command: str
 ) -> str:
     lines = [
-        "# HiSparse kernels on a GPU",
+        "# GPU check: the HiSparse kernels",
         "",
         f"Written by `{command}` on {machine['date']}.",
         "",
@@ -337,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=default_out(),
         help="the report (default: $OUT/kernels.md when OUT names a folder, as a "
-        "remote runner's output folder does; else docs/kernels.md)",
+        "remote runner's output folder does; else docs/gpu-check.md)",
     )
     parser.add_argument("--quick", action="store_true", help="skip the 8K-token prefill resolution")
     parser.add_argument(
@@ -360,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: building csrc/ failed: {e}", file=sys.stderr)
         return 2
     if args.build_only:
-        print(f"gpu_check: built and loaded the extension in {build_s:.0f} s")
+        print(f"gpu_check: built and loaded the extension in {build_s:.0f} s: {library}")
         return 0
     major, minor = torch.cuda.get_device_capability()
     machine = {
@@ -372,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "build_s": build_s,
     }
-    pytest_result = run_pytest()
+    pytest_result = run_pytest(library)
     if args.sanitize:
         sanitized = run_sanitizers(library, find_sanitizer())
         pytest_result += "; " + ", ".join(f"{tool}: {verdict}" for tool, verdict in sanitized.items())

@@ -180,18 +180,69 @@ def test_the_host_pool_maps_where_vllm_is_not_installed(probe):
     assert probe["host_pool_without_vllm"] == [1, 2, 64, 16]
 
 
-def test_gpu_check_builds_and_loads_the_extension_without_a_gpu(cuda_wheel):
-    """scripts/gpu_check.py's own build, the first step of every GPU run, works here."""
+def test_gpu_check_builds_and_loads_the_extension_without_a_gpu(cuda_wheel, tmp_path):
+    """scripts/gpu_check.py's own build, the first step of every GPU run, works here, also
+    with a compiler that would link a private copy of the C++ runtime (as a GPU machine's
+    did: there the first warning the library formatted crashed the process).
+
+    Stand-in compilers add -static-libstdc++; the build must link torch's own libstdc++
+    instead, and the library it loads must format numbers into its messages."""
+    compilers = {name: shutil.which(name) for name in ("gcc", "g++")}
+    if None in compilers.values():
+        pytest.skip("needs gcc and g++ to stand behind the static-linking compilers")
+    wrappers = tmp_path / "bin"
+    wrappers.mkdir()
+    for name, real in compilers.items():
+        (wrappers / name).write_text(f'#!/bin/sh\nexec "{real}" "$@" -static-libstdc++\n')
+        (wrappers / name).chmod(0o755)
+    python = str(cuda_build.BUILD_ENV / "bin" / "python")
     done = subprocess.run(
-        [
-            str(cuda_build.BUILD_ENV / "bin" / "python"),
-            str(REPO / "scripts" / "gpu_check.py"),
-            "--build-only",
-        ],
+        [python, str(REPO / "scripts" / "gpu_check.py"), "--build-only"],
         cwd=REPO,
+        env={**os.environ, "CC": str(wrappers / "gcc"), "CXX": str(wrappers / "g++")},
         capture_output=True,
         text=True,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "linked libstdc++ statically; linking" in done.stdout
     assert "built and loaded the extension" in done.stdout
+    library = done.stdout.strip().splitlines()[-1].rsplit(": ", 1)[1]
+    assert cuda_build.CXX_RUNTIME in cuda_build.needed_libraries(Path(library))
+    # Loaded on its own, the library formats the sizes into a refusal's message.
+    probe = subprocess.run(
+        [
+            python,
+            "-c",
+            "import sys, torch\n"
+            "torch.ops.load_library(sys.argv[1])\n"
+            "m = lambda *s, d=torch.long: torch.empty(*s, dtype=d, device='meta')\n"
+            "try:\n"
+            "    torch.ops._hisparse_C.copy_host_rows(m(4, d=torch.uint8), m(2), m(4, 16, d=torch.uint8),"
+            " m(2), m(2, d=torch.bool), m(1), 1, 1)\n"
+            "except RuntimeError as e:\n"
+            "    print(str(e).splitlines()[0])\n",
+            library,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip().endswith("with contiguous columns, got [4]"), probe.stdout
+
+
+def test_a_library_with_a_private_cxx_runtime_is_told_apart(tmp_path):
+    """What the build checks: whether a library names the shared libstdc++ or carries its own."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++")
+    source = tmp_path / "one.cpp"
+    source.write_text(
+        "#include <sstream>\n#include <string>\n"
+        "std::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n"
+    )
+    for flags, shared in (([], True), (["-static-libstdc++"], False)):
+        library = tmp_path / f"lib{len(flags)}.so"
+        subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library), *flags], check=True)
+        assert (cuda_build.CXX_RUNTIME in cuda_build.needed_libraries(library)) is shared, flags

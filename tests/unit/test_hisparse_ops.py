@@ -86,3 +86,21 @@ def test_gpu_check_sanitize_runs_the_kernel_tests_under_each_tool_and_reports_it
         "memcheck": "passed",
         "racecheck": "FAILED (exit 97: its own finding)",
     }
+
+
+def test_gpu_check_runs_the_kernel_tests_in_a_child_so_a_crash_is_reported_not_fatal(tmp_path, monkeypatch):
+    """A test that crashes (here: a segfault, as a kernel test did on a GPU machine) fails
+    the kernel tests' verdict; gpu_check itself goes on to its report."""
+    import gpu_check
+
+    crashing = tmp_path / "test_crash.py"
+    crashing.write_text(
+        "import os, signal\n\n\ndef test_ok():\n    pass\n\n\n"
+        "def test_crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    monkeypatch.setattr(gpu_check, "PYTEST_ARGS", ("-q", "-p", "no:cacheprovider", str(crashing)))
+    library = tmp_path / "_hisparse_C.abi3.so"
+    verdict = gpu_check.run_pytest(library)
+    assert verdict.startswith("FAILED (pytest exit "), verdict
+    command = gpu_check.pytest_command()
+    assert command is not None and command[1:5] == ["-X", "faulthandler", "-m", "pytest"]

@@ -92,7 +92,7 @@ def test_gpu_checks_bandwidths_become_the_simulators_constants(tmp_path):
     spec.loader.exec_module(gpu_check)
     figures = {
         "pages": {True: {"batched_gbps": 48.0}, False: {"batched_gbps": 52.5}},
-        "resolver": {0.0: {"h2d_gbps": 0.0}, 0.5: {"h2d_gbps": 17.25}},
+        "resolver": {0.0: {"h2d_gbps": 0.0}, 0.1: {"h2d_gbps": 17.25}, 0.5: {"h2d_gbps": 40.0}},
     }
     constants = gpu_check.simulator_constants(figures)
     assert constants == {"h2d_bytes_per_s": 52.5e9, "d2h_bytes_per_s": 48e9, "row_h2d_bytes_per_s": 17.25e9}
@@ -113,6 +113,6 @@ def test_gpu_check_reports_into_a_runners_output_folder_and_names_its_torch(tmp_
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check.default_out() == tmp_path / "kernels.md"
     monkeypatch.delenv("OUT")
-    assert gpu_check.default_out() == script.parents[1] / "docs" / "kernels.md"
+    assert gpu_check.default_out() == script.parents[1] / "docs" / "gpu-check.md"
     assert "the version the wheel pins" in gpu_check.torch_note("2.13.0+cu130")
     assert "not the 2.13.0 the wheel pins" in gpu_check.torch_note("2.11.0+cu130")
