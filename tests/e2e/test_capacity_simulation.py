@@ -130,7 +130,7 @@ def engine_run(model: Path, config: str, kv_transfer: dict | None) -> dict:
             )
 
 
-def simulated_run(model: Path, config: str, kv_transfer: dict) -> dict:
+def simulated_run(model: Path, config: str, kv_transfer: dict, **constants_changed: float) -> dict:
     request = planner.PlanRequest(
         model=str(model),
         max_model_len=MAX_MODEL_LEN,
@@ -142,7 +142,7 @@ def simulated_run(model: Path, config: str, kv_transfer: dict) -> dict:
         session_tokens=MAX_MODEL_LEN,
     )
     configuration = planner.plan(request).configuration({"preemption": "none"}.get(config, config))
-    constants = {**load_constants(None), **INSTANT_LINKS}
+    constants = {**load_constants(None), **INSTANT_LINKS, **constants_changed}
     record = Simulation(config, configuration, BENCH, CONCURRENCY, constants, None).run()
     assert record.started and not record.stalled, record
     assert record.sessions_completed == CONCURRENCY
@@ -173,6 +173,19 @@ def test_the_simulator_schedules_the_bench_workload_as_the_real_engine_does(mode
         assert real["pages_demoted"] > 0, "the workload puts hybrid under pressure"
     if config == "preemption":
         assert real["preemptions"] > 0 or real["recomputed_prompt_tokens"] > 0, "under pressure"
+
+
+def test_steps_with_host_pages_pay_the_resolvers_plan_and_replay(model):
+    """Under pressure hybrid's steps carry the resolver's own work (a plan per indexer layer,
+    a replay per layer); preemption's never have host pages, so never do."""
+    simulated_s = {}
+    for config in ("preemption", "hybrid"):
+        for plan_s in (0.0, 0.01):
+            with connector_flag("TieringOffloadingSpec", CONNECTOR_BYTES, label=f"resolver-{config}") as kv:
+                record = simulated_run(model, config, kv, resolver_plan_s=plan_s, resolver_replay_s=0.0)
+            simulated_s[config, plan_s] = record["simulated_s"]
+    assert simulated_s["preemption", 0.01] == simulated_s["preemption", 0.0]
+    assert simulated_s["hybrid", 0.01] > simulated_s["hybrid", 0.0]
 
 
 # Sixteen of the bench's sessions against a 32 MiB connector tier and a 1 GiB pool: the

@@ -116,3 +116,12 @@ def test_gpu_check_reports_into_a_runners_output_folder_and_names_its_torch(tmp_
     assert gpu_check.default_out() == script.parents[1] / "docs" / "gpu-check.md"
     assert "the version the wheel pins" in gpu_check.torch_note("2.13.0+cu130")
     assert "not the 2.13.0 the wheel pins" in gpu_check.torch_note("2.11.0+cu130")
+
+
+def test_the_resolvers_own_work_is_a_plan_per_indexer_layer_and_a_replay_per_layer():
+    constants = {**load_constants(None), "resolver_plan_s": 1e-3, "resolver_replay_s": 1e-5}
+    model = StepModel(shape(num_layers=78, num_indexer_layers=21), constants)
+    assert model.resolver_seconds() == pytest.approx(21 * 1e-3 + 78 * 1e-5)
+    # Without shared indexers every layer plans its own selection.
+    unshared = StepModel(shape(num_indexer_layers=78), constants)
+    assert unshared.resolver_seconds() == pytest.approx(78 * 1.01e-3)

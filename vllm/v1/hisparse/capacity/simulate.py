@@ -440,12 +440,14 @@ class Simulation:
                 raise self._violation(step, "schedule", error) from None
             t_schedule = time.perf_counter() - t0
             accounting.observe(output)
-            work, rows, restores = self._work(output)
+            work, rows, restores, resolves = self._work(output)
             busy = output.total_num_scheduled_tokens > 0
             seconds = 0.0
             if busy:
                 seconds = self.model.compute_seconds(work)
                 seconds += self.model.host_rows_seconds(rows)
+                if resolves:
+                    seconds += self.model.resolver_seconds()
                 restore_bytes = restores * self.page_bytes
                 if restore_bytes:
                     seconds += restore_bytes / self.h2d.bytes_per_s
@@ -577,14 +579,16 @@ class Simulation:
         arrivals.append((clock, session))
         arrivals.sort(key=lambda item: item[0])
 
-    def _work(self, output: SchedulerOutput) -> tuple[list[ScheduledWork], int, int]:
-        """Each scheduled request's tokens; the host rows the step loads; pages restored."""
+    def _work(self, output: SchedulerOutput) -> tuple[list[ScheduledWork], int, int, bool]:
+        """Each scheduled request's tokens; the host rows the step loads; pages restored;
+        whether any scheduled request has HOST pages (the resolver runs)."""
         scheduler = self.scheduler
         assert scheduler is not None
         residency = self.hisparse.residency.requests if self.hisparse is not None else {}
         topk = self.model.shape.index_topk
         work: list[ScheduledWork] = []
         rows = 0
+        resolves = False
         for req_id, n in output.num_scheduled_tokens.items():
             request: Request | None = scheduler.requests.get(req_id)
             if request is None:
@@ -594,6 +598,7 @@ class Simulation:
             decode = request.num_output_tokens > 0 and start >= request.num_tokens - 1
             item = ScheduledWork(start, end, decode)
             resident = residency.get(req_id)
+            resolves = resolves or (resident is not None and resident.num_host_pages > 0)
             if resident is not None and resident.num_host_pages and end > topk:
                 pages = max(len(resident.pages), 1)
                 item.host_rows_loaded = self.model.miss_rows(
@@ -603,7 +608,7 @@ class Simulation:
             work.append(item)
         plan = getattr(output, "hisparse_plan", None)
         restores = len(plan.restores) if plan is not None else 0
-        return work, rows, restores
+        return work, rows, restores, resolves
 
     def _connector_jobs(
         self, output: SchedulerOutput, start: float, end: float, record: Record

@@ -6,8 +6,8 @@ on an H200 given what the real scheduler scheduled (tokens per request and their
 positions) and what must cross PCIe (HiSparse's miss rows, restores and page copies;
 the OffloadingConnector's loads and stores). Every constant is in `CONSTANTS`, with
 its unit and source; `load_constants` overrides any of them from a JSON file (for
-example with bandwidths `scripts/gpu_check.py` measured). Nothing here is measured:
-every figure it gives is simulated.
+example with bandwidths `scripts/gpu_check.py` measured). Its PCIe and resolver
+constants were measured on one H200; every figure it gives is simulated.
 
 The model, per step and GPU (all TP ranks do the same work at the same time):
 
@@ -21,7 +21,10 @@ The model, per step and GPU (all TP ranks do the same work at the same time):
   scored by every index head; a request's tokens share one read of the keys;
 - two all-reduces per layer; the MTP drafter's layers once per draft token;
 - a fixed per-step overhead (sampling, launches);
-- HiSparse: a MIXED/NONE request's step selects top-K rows per layer, the host part of
+- HiSparse: a step with HOST pages in it pays the resolver's own work, a plan per
+  indexer layer and a replay per sparse-MLA layer (`resolver_plan_s`,
+  `resolver_replay_s`, measured on an H200 at batch 64, taken as the same at every
+  batch); a MIXED/NONE request's step selects top-K rows per layer, the host part of
   them in proportion to its HOST pages, and loads the share its hot buffer misses;
   a prefill chunk over HOST pages stages the union of its tokens' host selections
   (as many rows as `chunk_union_tokens` tokens select, at most the host rows). Those
@@ -65,22 +68,35 @@ CONSTANTS: dict[str, Constant] = {
         0.35, "fraction", "assumption: share of BF16 peak that sparse MLA and indexer kernels reach"
     ),
     "h2d_bytes_per_s": Constant(
-        50e9,
+        43.7e9,
         "B/s",
-        "assumption: PCIe Gen5 x16 (64 GB/s raw) host->device from pinned memory, whole pages; "
-        "scripts/gpu_check.py measures it (page copy, host to device)",
+        "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): 128 pages x 61 "
+        "layers host->device in one launch of the page copy kernel, from pinned memory",
     ),
     "d2h_bytes_per_s": Constant(
-        50e9,
+        49.4e9,
         "B/s",
-        "assumption: PCIe Gen5 x16 device->host into pinned memory, whole pages; "
-        "scripts/gpu_check.py measures it (page copy, device to host)",
+        "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): 128 pages x 61 "
+        "layers device->host in one launch of the page copy kernel, into pinned memory",
     ),
     "row_h2d_bytes_per_s": Constant(
-        20e9,
+        36.6e9,
         "B/s",
-        "assumption: the resolver's gather of scattered 656-byte rows over PCIe; "
-        "scripts/gpu_check.py measures it (row copy)",
+        "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): the resolver's "
+        "replay at batch 64 with 10% misses, 13,056 scattered 656-byte rows per layer",
+    ),
+    "resolver_plan_s": Constant(
+        0.39e-3,
+        "s",
+        "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): the fused plan "
+        "kernel for a batch-64 decode step (top-K 2048, hot buffer 4096), once per top-K selection "
+        "(indexer layer) of a step with host pages",
+    ),
+    "resolver_replay_s": Constant(
+        29e-6,
+        "s",
+        "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): the resolver's "
+        "replay of one layer at batch 64 with no misses (the miss rows are row_h2d_bytes_per_s's)",
     ),
     "allreduce_s": Constant(
         15e-6, "s", "assumption: one TP all-reduce of a step's hidden states over NVLink (latency-bound)"
@@ -294,6 +310,12 @@ class StepModel:
         if s.drafter_layers and s.num_speculative_tokens and decoding:
             drafting = forward / s.num_layers * s.drafter_layers * s.num_speculative_tokens
         return forward + drafting + c["step_overhead_s"]
+
+    def resolver_seconds(self) -> float:
+        """The resolver's own work in a step with host pages: a plan per top-K selection
+        (indexer layer) and a replay per sparse-MLA layer, besides the rows it loads."""
+        s, c = self.shape, self.c
+        return s.num_indexer_layers * c["resolver_plan_s"] + s.num_layers * c["resolver_replay_s"]
 
     def host_rows_seconds(self, rows_per_layer: int) -> float:
         """The resolver's loads of host rows (every sparse-MLA layer), before attention."""
