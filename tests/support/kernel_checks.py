@@ -236,7 +236,16 @@ def check_resolution(case: ResolutionCase, device: str = "cuda", fused: bool = F
 
 def time_resolution(case: ResolutionCase, repeats: int = 20) -> dict:
     """CUDA time, in µs, of one step's plan (fused kernel, and torch operations) and of
-    one layer's replay (row copies included), and the H2D GB/s of the misses' rows."""
+    one layer's replay (row copies included), and the H2D GB/s of the misses' rows.
+
+    Each figure three ways: one call between two events from an idle GPU (`*_us`: the
+    host's launch work included, as the GPU waits for it), the host's own time per call
+    (`*_host_us`, no synchronisation), and `repeats` calls back to back between two
+    events, per call (`*_pipelined_us`: where the host launches faster than the GPU
+    runs, the GPU's time). A step's plans and replays run in the forward with the host
+    ahead of the GPU, so the pipelined figure is what they cost it."""
+    import time
+
     dev = _on(case, "cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -252,6 +261,18 @@ def time_resolution(case: ResolutionCase, repeats: int = 20) -> dict:
         samples = sorted(samples[2:])
         return samples[len(samples) // 2]
 
+    def host_and_pipelined(call) -> tuple[float, float]:
+        call()
+        torch.cuda.synchronize()
+        start.record()
+        began = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        host_us = (time.perf_counter() - began) * 1e6 / repeats
+        end.record()
+        torch.cuda.synchronize()
+        return host_us, start.elapsed_time(end) * 1000 / repeats
+
     def plan(fused: bool):
         hot = HotState(dev.hot.positions.clone(), dev.hot.stamps.clone())
         return plan_resolution(
@@ -266,19 +287,27 @@ def time_resolution(case: ResolutionCase, repeats: int = 20) -> dict:
         )
 
     fused_us = timed(lambda: plan(True))
+    fused_host_us, fused_pipelined_us = host_and_pipelined(lambda: plan(True))
     torch_us = timed(lambda: plan(False))
     the_plan = plan(True)
     error = torch.zeros((), dtype=torch.int64, device="cuda")
-    apply_us = timed(
-        lambda: apply_resolution(the_plan, dev.rows, dev.slot_rows, dev.kv_rows, dev.host_rows, error=error)
-    )
+
+    def replay():
+        return apply_resolution(the_plan, dev.rows, dev.slot_rows, dev.kv_rows, dev.host_rows, error=error)
+
+    apply_us = timed(replay)
+    apply_host_us, apply_pipelined_us = host_and_pipelined(replay)
     check_resolution_error(int(error) | int(the_plan.error))
     row_bytes = dev.kv_rows.shape[1] * dev.kv_rows.element_size()
     loaded = int(the_plan.rows_loaded)
     return {
         "fused_plan_us": fused_us,
+        "fused_plan_host_us": fused_host_us,
+        "fused_plan_pipelined_us": fused_pipelined_us,
         "torch_plan_us": torch_us,
         "apply_us_per_layer": apply_us,
+        "apply_host_us": apply_host_us,
+        "apply_pipelined_us": apply_pipelined_us,
         "rows_loaded": loaded,
         "h2d_gbps": loaded * row_bytes / (apply_us * 1e3) if loaded else 0.0,
     }

@@ -92,10 +92,22 @@ def test_gpu_checks_bandwidths_become_the_simulators_constants(tmp_path):
     spec.loader.exec_module(gpu_check)
     figures = {
         "pages": {True: {"batched_gbps": 48.0}, False: {"batched_gbps": 52.5}},
-        "resolver": {0.0: {"h2d_gbps": 0.0}, 0.1: {"h2d_gbps": 17.25}, 0.5: {"h2d_gbps": 40.0}},
+        "resolver": {
+            0.0: {"h2d_gbps": 0.0, "fused_plan_pipelined_us": 90.0, "apply_pipelined_us": 6.0},
+            0.1: {"h2d_gbps": 17.25, "fused_plan_pipelined_us": 120.0, "apply_pipelined_us": 50.0},
+            0.5: {"h2d_gbps": 40.0, "fused_plan_pipelined_us": 300.0, "apply_pipelined_us": 400.0},
+        },
     }
     constants = gpu_check.simulator_constants(figures)
-    assert constants == {"h2d_bytes_per_s": 52.5e9, "d2h_bytes_per_s": 48e9, "row_h2d_bytes_per_s": 17.25e9}
+    assert constants == pytest.approx(
+        {
+            "h2d_bytes_per_s": 52.5e9,
+            "d2h_bytes_per_s": 48e9,
+            "row_h2d_bytes_per_s": 17.25e9,
+            "resolver_plan_s": 120e-6,  # at the misses the hit rate leaves
+            "resolver_replay_s": 6e-6,  # without misses: the rows are row_h2d's
+        }
+    )
     path = tmp_path / "simulator-constants.json"
     path.write_text(json.dumps(constants))
     assert load_constants(path)["row_h2d_bytes_per_s"] == 17.25e9
@@ -125,3 +137,39 @@ def test_the_resolvers_own_work_is_a_plan_per_indexer_layer_and_a_replay_per_lay
     # Without shared indexers every layer plans its own selection.
     unshared = StepModel(shape(num_indexer_layers=78), constants)
     assert unshared.resolver_seconds() == pytest.approx(78 * 1.01e-3)
+
+
+def test_gpu_checks_report_tabulates_the_resolver_by_misses_and_by_batch(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_report", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def resolver(plan_us: float) -> dict:
+        return {
+            "fused_plan_us": plan_us, "fused_plan_host_us": 80.0, "fused_plan_pipelined_us": plan_us / 2,
+            "torch_plan_us": 2800.0, "apply_us_per_layer": 29.0, "apply_host_us": 12.0,
+            "apply_pipelined_us": 9.0, "rows_loaded": 13056, "h2d_gbps": 36.6,
+        }  # fmt: skip
+
+    figures = {
+        "resolver": {0.0: resolver(390.0), 0.1: resolver(382.0)},
+        "batches": {1: resolver(300.0), 8: resolver(310.0)},
+        "pages": {},
+        "failures": [],
+    }
+    machine = {"date": "today", "gpu": "G", "capability": "9.0", "cuda": "13.0", "torch": "2.13.0",
+               "python": "3.12", "build_s": 30.0}  # fmt: skip
+    command = "python3 scripts/gpu_check.py"
+    text = gpu_check.write_report(tmp_path / "r.md", machine, "passed", [], figures, command)
+    assert "| 10% | 382.0 | 80.0 / 191.0 | 2800.0 | 29.0 | 12.0 / 9.0 | 13056 | 36.6 |" in text
+    by_batch = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 8 |", "| 64 |"))]
+    assert by_batch == [
+        "| 1 | 300.0 | 80.0 / 150.0 | 29.0 |",
+        "| 8 | 310.0 | 80.0 / 155.0 | 29.0 |",
+        "| 64 | 382.0 | 80.0 / 191.0 | 29.0 |",
+    ]
+    assert (tmp_path / "r.md").read_text() == text

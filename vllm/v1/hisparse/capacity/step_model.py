@@ -89,14 +89,16 @@ CONSTANTS: dict[str, Constant] = {
         0.39e-3,
         "s",
         "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): the fused plan "
-        "kernel for a batch-64 decode step (top-K 2048, hot buffer 4096), once per top-K selection "
-        "(indexer layer) of a step with host pages",
+        "for a batch-64 decode step (top-K 2048, hot buffer 4096), once per top-K selection "
+        "(indexer layer) of a step with host pages; one call timed alone from an idle GPU, the "
+        "host's launch work included, so at most what it costs the GPU in a running step",
     ),
     "resolver_replay_s": Constant(
         29e-6,
         "s",
         "measured: scripts/gpu_check.py on one H200, 2026-12-04 (docs/gpu-check.md): the resolver's "
-        "replay of one layer at batch 64 with no misses (the miss rows are row_h2d_bytes_per_s's)",
+        "replay of one layer at batch 64 with no misses (the miss rows are row_h2d_bytes_per_s's); "
+        "one call timed alone, as resolver_plan_s",
     ),
     "allreduce_s": Constant(
         15e-6, "s", "assumption: one TP all-reduce of a step's hidden states over NVLink (latency-bound)"
