@@ -151,8 +151,9 @@ def loaded_cxx_runtime(interpreter: str) -> Path | None:
     return Path(found) if probe.returncode == 0 and found else None
 
 
-def compile_extension(interpreter: str, build_lib: Path, build_temp: Path, env: dict[str, str]) -> Path:
-    """`setup.py build_ext` with `interpreter`; the library, which links the shared C++ runtime.
+def compile_extension(interpreter: str, build_lib: Path, build_temp: Path) -> Path:
+    """`setup.py build_ext` with `interpreter` and the toolkit `find_cuda_home` finds; the
+    library, which links the shared C++ runtime.
 
     Some toolchains (a compiler whose specs carry -static-libstdc++, or that has only
     libstdc++.a) would put a private copy of the C++ runtime into the library. torch has
@@ -160,6 +161,12 @@ def compile_extension(interpreter: str, build_lib: Path, build_temp: Path, env: 
     loaded this way: the first formatted message (a warning, a failed check) crashes the
     process. When the first link comes out so, the library is linked again with the
     runtime torch itself loads named after the objects, which the linker then prefers."""
+    cuda_home = find_cuda_home()
+    env = {
+        **os.environ,
+        "CUDA_HOME": str(cuda_home),
+        "PATH": f"{cuda_home / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    }
 
     def run(extra_env: dict[str, str], force: bool) -> Path:
         done = subprocess.run(
@@ -215,9 +222,8 @@ def build_extension(
         raise CudaBuildError("csrc/ holds no kernel sources")
     cuda_home = find_cuda_home()
     interpreter = python or str(ensure_build_env(torch_requirement))
-    env = {**os.environ, "CUDA_HOME": str(cuda_home), "PATH": f"{cuda_home / 'bin'}:{os.environ['PATH']}"}
     print(f"extension: compiling csrc/ with {cuda_home / 'bin' / 'nvcc'} and {interpreter}", flush=True)
-    library = compile_extension(interpreter, workdir / "build-lib", workdir / "build-temp", env)
+    library = compile_extension(interpreter, workdir / "build-lib", workdir / "build-temp")
     subprocess.run(["strip", "--strip-debug", str(library)], check=True)
     needs = required_glibc(library)
     if needs > glibc_limit:

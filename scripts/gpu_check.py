@@ -57,15 +57,13 @@ def build_extension() -> tuple[float, Path]:
     import tempfile
 
     import torch
-    from cuda_build import compile_extension, find_cuda_home
+    from cuda_build import compile_extension
 
     from vllm.v1.hisparse.ops import OPS, ops_registered
 
-    home = find_cuda_home()
-    env = {**os.environ, "CUDA_HOME": str(home), "PATH": f"{home / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     began = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="gpu-check-build-"))
-    library = compile_extension(sys.executable, work / "lib", work / "temp", env)
+    library = compile_extension(sys.executable, work / "lib", work / "temp")
     torch.ops.load_library(str(library))
     if not ops_registered():
         raise RuntimeError(f"the built library does not register torch.ops._hisparse_C.{{{', '.join(OPS)}}}")
