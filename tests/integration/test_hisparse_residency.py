@@ -146,6 +146,33 @@ def test_pressure_turns_requests_mixed_instead_of_preempting_and_runs_more_of_th
     assert len(obs) < len(base_obs)
 
 
+def test_the_cached_token_estimate_scans_only_the_tail_and_equals_a_full_scan(model):
+    """Patch 0007's `estimate_cached_tokens` reads each group's blocks from the end and stops
+    where no earlier block can cover more tokens; under pressure (null placeholders for HOST
+    pages, a later turn's device hit) it equals the scan of every block."""
+    h = harness(model, 20)
+    manager = h.kv_cache_manager
+
+    def full_scan(request) -> int:
+        per_group = [
+            max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
+            for blocks in manager.get_blocks(request.request_id).blocks
+        ]
+        return min(per_group, default=0)
+
+    requests = [h.add_request(prompt(i, 512), max_tokens=64) for i in range(8)]
+    checked = set()
+    while h.busy():
+        obs = h.step()
+        check_block_accounting(h)
+        for request in requests:
+            live = h.scheduler.requests.get(request.request_id)
+            if live is not None and manager.get_blocks(request.request_id).blocks[0]:
+                assert manager.estimate_cached_tokens(live) == full_scan(live)
+                checked.add(obs.hisparse_states.get(request.request_id))
+    assert {"full", "mixed"} <= checked
+
+
 def test_demotion_plans_null_block_updates_and_host_page_deltas_for_the_resolver(model):
     h = harness(model, 20)
     for i in range(8):
@@ -240,6 +267,41 @@ def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
     assert h.total_preemptions == 0
     updates = [u for u in admitted.hisparse_plan.host_pages if u.request_id == second.request_id]
     assert [u.page_index for u in updates] == list(range(10))
+
+
+def test_a_host_prefix_hit_without_a_lease_holds_nothing_and_keeps_its_copies_recent(model, monkeypatch):
+    """A waiting request whose hit reaches host copies but gets no hot lease recomputes its
+    prefix: it holds no host reference, and the copies it wanted become the host pool's most
+    recently used, in page order (as if taken and given back), so they outlast the others."""
+    h = harness(model, 64)
+    shared = prompt(3, 640)
+    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
+    h.step()
+    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
+    run_checked(h)
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+    pool = h.hisparse.residency.host_pool
+    wanted = [pool.lookup(block_hash) for block_hash in first.block_hashes[:10]]
+    assert None not in wanted and pool.num_referenced == 0
+    pool.touch(reversed(wanted))
+    admissions = h.hisparse.admissions
+    monkeypatch.setattr(admissions, "_take_lease", lambda request: [])
+    extend, after_hit = admissions.extend_prefix_hit, []
+
+    def observed_extend(request, blocks, num_tokens):
+        hit = extend(request, blocks, num_tokens)
+        after_hit.append((hit[1], pool.num_referenced, list(pool._evictable)))
+        return hit
+
+    monkeypatch.setattr(admissions, "extend_prefix_hit", observed_extend)
+    second = h.add_request(shared + prompt(5, 30), max_tokens=8)
+    admitted = h.step()
+    assert admitted.new_request_cached_tokens[second.request_id] == 0, "no lease: recomputed"
+    assert admitted.hisparse_states[second.request_id] == "full"
+    ((hit_tokens, referenced, evictable),) = after_hit
+    assert hit_tokens == 0 and referenced == 0, "the failed hit holds no host page"
+    assert evictable[-len(wanted) :] == wanted
+    run_checked(h)
 
 
 def test_without_a_device_copy_of_the_indexer_cache_the_prefix_is_recomputed(model):

@@ -279,6 +279,32 @@ def test_a_retained_host_prefix_is_never_evicted_by_an_allocation():
     assert mgr.host_pool.lookup("h0") == page, "the retained copy is still indexed"
 
 
+def test_touching_cached_copies_orders_them_as_taking_and_giving_back_would():
+    """`touch` makes unreferenced cached copies the most recently used, in the order given,
+    exactly as a retain and a release of each would, and leaves referenced pages alone."""
+
+    def pool_with_copies() -> HostPagePool:
+        pool = HostPagePool(6)
+        for i in range(5):
+            page = pool.allocate()
+            pool.publish(page, f"h{i}")
+        for page in (0, 1, 2, 3):  # page 4 stays referenced
+            pool.release(page)
+        return pool
+
+    touched, retained = pool_with_copies(), pool_with_copies()
+    order = [2, 4, 0]
+    touched.touch(order)
+    for page in order:
+        retained.retain(page)
+    for page in order:
+        retained.release(page)
+    assert list(touched._evictable) == list(retained._evictable) == [1, 3, 2, 0]
+    assert touched.refs(4) == retained.refs(4) == 1
+    assert [touched.allocate() for _ in range(3)] == [5, 1, 3], "least recently used first"
+    touched.check()
+
+
 def test_finishing_mid_copy_returns_blocks_only_when_the_copy_lands():
     mgr, pool = manager()
     mgr.add_request("a", block_hashes=["x"])

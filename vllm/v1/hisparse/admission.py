@@ -10,7 +10,7 @@ registered with residency:
   demotes no page that holds one. Guarding takes no reference, so a request
   that is not admitted leaves the prefix cache's LRU order as it was;
 - host pool pages it will read or that a connector writes for it, each retained
-  from the lookup (or allocated, for an import landing in the host pool), so no
+  as its record is made (or allocated, for an import landing in the host pool), so no
   allocation can evict or reuse them while the request waits: pages taken as
   null placeholders (a host prefix hit, a KV connector hit kept on the host, an
   import's landing) and pages restored into its newly allocated blocks (a KV
@@ -284,10 +284,12 @@ class Admissions:
                         if room < 0:
                             break
             if mla is None:
-                host_page = self.host_pool.retain_cached(block_hash)
+                # Looked up, not yet retained: nothing below allocates a host page, so
+                # nothing can evict it before it is retained with the lease.
+                host_page = self.host_pool.lookup(block_hash)
                 if host_page is None:
                     break
-                host_pages[PageIndex(position)] = HostPage(host_page)
+                host_pages[PageIndex(position)] = host_page
             pages.append((mla, other))
         if pages and self.blocks.use_eagle:
             # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
@@ -295,13 +297,18 @@ class Admissions:
             pages.pop()
             dropped = host_pages.pop(PageIndex(start + len(pages)), None)
             if dropped is not None:
-                self.host_pool.release(dropped)
+                self.host_pool.touch((dropped,))
         # The extension's device blocks are guarded with the hit before a lease is taken.
         record.hit += [b for mla, other in pages for b in (mla or []) + other]
         if host_pages:
             record.lease = self._take_lease(request)
-            if not record.lease:
-                self._release_host_pages(host_pages)
+            if record.lease:
+                for page in host_pages.values():
+                    self.host_pool.retain(page)
+            else:
+                # The copies the request wants stay the most recently used, as if taken and
+                # given back.
+                self.host_pool.touch(host_pages.values())
                 host_pages = {}
         if not host_pages:
             # Without host pages only the pages every group still caches count (with a

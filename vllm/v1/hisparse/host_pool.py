@@ -15,7 +15,7 @@ decides indices into it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 from vllm.v1.hisparse.plan import HostPage
 
@@ -89,6 +89,14 @@ class HostPagePool:
         if page is not None:
             self.retain(page)
         return page
+
+    def touch(self, pages: Iterable[int]) -> None:
+        """Make these pages' cached copies the most recently used, in this order (as
+        retaining and releasing each would); referenced pages are left as they are."""
+        evictable = self._evictable
+        for page in pages:
+            if page in evictable:
+                evictable.move_to_end(page)
 
     def release(self, page: int) -> None:
         refs = self._refs.get(page, 0)
