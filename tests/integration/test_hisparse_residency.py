@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
 
+from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION
 from vllm.v1.hisparse.residency import PageState
 
@@ -269,10 +270,12 @@ def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
     assert [u.page_index for u in updates] == list(range(10))
 
 
-def test_a_host_prefix_hit_without_a_lease_holds_nothing_and_keeps_its_copies_recent(model, monkeypatch):
-    """A waiting request whose hit reaches host copies but gets no hot lease recomputes its
-    prefix: it holds no host reference, and the copies it wanted become the host pool's most
-    recently used, in page order (as if taken and given back), so they outlast the others."""
+def test_a_host_prefix_hit_without_room_for_its_lease_ends_at_its_first_host_page(model, monkeypatch):
+    """A waiting request whose hit reaches host copies but finds no room for a hot lease
+    recomputes its prefix. Its walk stops at the first host page (a turn waiting for room
+    does not look its whole history up every step), it holds no host reference, and the
+    copies it wanted become the host pool's most recently used, in page order (as if taken
+    and given back), so they outlast the others while it waits."""
     h = harness(model, 64)
     shared = prompt(3, 640)
     first = h.add_request(shared + prompt(4, 20), max_tokens=8)
@@ -285,14 +288,23 @@ def test_a_host_prefix_hit_without_a_lease_holds_nothing_and_keeps_its_copies_re
     assert None not in wanted and pool.num_referenced == 0
     pool.touch(reversed(wanted))
     admissions = h.hisparse.admissions
-    monkeypatch.setattr(admissions, "_take_lease", lambda request: [])
+    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
     extend, after_hit = admissions.extend_prefix_hit, []
+    prefix_cache = h.block_pool.cached_block_hash_to_block
+    get_one_block, lookups = prefix_cache.get_one_block, Counter()
 
-    def observed_extend(request, blocks, num_tokens):
-        hit = extend(request, blocks, num_tokens)
-        after_hit.append((hit[1], pool.num_referenced, list(pool._evictable)))
+    def counted_get_one_block(key):
+        lookups[get_block_hash(key)] += 1
+        return get_one_block(key)
+
+    def observed_extend(request, device_hit, num_tokens):
+        hit = extend(request, device_hit, num_tokens)
+        after_hit.append((hit[1], sum(admissions.host_references().values()), list(pool._evictable)))
         return hit
 
+    h.add_request(prompt(9, 100), max_tokens=50)  # one runs: the hit is not capped
+    h.step()
+    monkeypatch.setattr(prefix_cache, "get_one_block", counted_get_one_block)
     monkeypatch.setattr(admissions, "extend_prefix_hit", observed_extend)
     second = h.add_request(shared + prompt(5, 30), max_tokens=8)
     admitted = h.step()
@@ -301,6 +313,8 @@ def test_a_host_prefix_hit_without_a_lease_holds_nothing_and_keeps_its_copies_re
     ((hit_tokens, referenced, evictable),) = after_hit
     assert hit_tokens == 0 and referenced == 0, "the failed hit holds no host page"
     assert evictable[-len(wanted) :] == wanted
+    walked = set(lookups) & set(second.block_hashes)
+    assert walked == {second.block_hashes[0]}, "the walk ends at the first host page"
     run_checked(h)
 
 

@@ -243,7 +243,10 @@ class Admissions:
         taken from the device prefix cache when every group still has it, else
         from the host pool as a null placeholder. The first page neither holds
         ends the hit; with an EAGLE/MTP drafter the hit then drops its last page,
-        as upstream's does. Host pages cost the request a hot lease, taken here.
+        as upstream's does. Host pages cost the request a hot lease, taken here; its room
+        is made (other requests' BOTH pages demoted) at the first host page, and when the
+        pool still has no room the hit ends there, before the rest of the history is
+        walked (a turn waiting for room would otherwise walk all of it every step).
 
         When no request runs, nothing else will free blocks: the hit, upstream's device
         hit included, then touches at most the free blocks that the request's chunk
@@ -265,12 +268,26 @@ class Admissions:
         max_pages = (request.num_tokens - 1) // self.block_size
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
+        other_page, mla_page = self.blocks.page_lookup(other_ids), self.blocks.page_lookup(mla_ids)
+
+        def walks(position: int) -> bool:
+            """Whether the walk takes this page (the loop's test, without the cap)."""
+            if position >= max_pages:
+                return False
+            block_hash = request.block_hashes[position]
+            return other_page(block_hash) is not None and (
+                mla_page(block_hash) is not None or self.host_pool.lookup(block_hash) is not None
+            )
+
+        # Pages whose blocks the record guards already; the first page whose lease failed.
+        guarded = 0
+        no_lease_at: int | None = None
         for position in range(start, max_pages):
             block_hash = request.block_hashes[position]
-            other = self.blocks.cached_page(block_hash, other_ids)
+            other = other_page(block_hash)
             if other is None:
                 break  # the indexer K cache of this page is gone: recompute from here
-            mla = self.blocks.cached_page(block_hash, mla_ids)
+            mla = mla_page(block_hash)
             if capped:
                 room -= sum(b.ref_cnt == 0 for b in other)
                 if room < 0:
@@ -289,8 +306,21 @@ class Admissions:
                 host_page = self.host_pool.lookup(block_hash)
                 if host_page is None:
                     break
+                if not host_pages and not capped and (not self.blocks.use_eagle or walks(position + 1)):
+                    # The first host page needs the lease: when it cannot be had, the
+                    # hit ends here, and the rest of the history is not walked.
+                    record.hit += [b for mla_blocks, other in pages for b in (mla_blocks or []) + other]
+                    guarded = len(pages)
+                    if not self._room_for_lease(request):
+                        no_lease_at = position
+                        break
                 host_pages[PageIndex(position)] = host_page
             pages.append((mla, other))
+        if no_lease_at is not None:
+            # The copies the request wants stay the most recently used, as if taken and
+            # given back; its hit is the pages before them (each cached in every group).
+            self.host_pool.touch(self._host_copies_from(request, no_lease_at, max_pages))
+            return self._extension(blocks, num_tokens, pages)
         if pages and self.blocks.use_eagle:
             # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
             # the hidden states it drafts from (the device hit already dropped one).
@@ -299,7 +329,7 @@ class Admissions:
             if dropped is not None:
                 self.host_pool.touch((dropped,))
         # The extension's device blocks are guarded with the hit before a lease is taken.
-        record.hit += [b for mla, other in pages for b in (mla or []) + other]
+        record.hit += [b for mla, other in pages[guarded:] for b in (mla or []) + other]
         if host_pages:
             record.lease = self._take_lease(request)
             if record.lease:
@@ -321,14 +351,45 @@ class Admissions:
             if not pages:
                 return blocks, num_tokens
         record.host_pages = host_pages
-        # The extension group by group: a HOST page is the null block in every sparse-MLA group.
+        return self._extension(blocks, num_tokens, pages)
+
+    def _extension(
+        self,
+        blocks: KVCacheBlocks,
+        num_tokens: int,
+        pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]],
+    ) -> tuple[KVCacheBlocks, int]:
+        """The hit extended by `pages`, group by group: a HOST page is the null block in
+        every sparse-MLA group."""
+        if not pages:
+            return blocks, num_tokens
         null = self.blocks.null_block
         columns: dict[int, list[KVCacheBlock]] = {}
-        for i, g in enumerate(mla_ids):
+        for i, g in enumerate(self.blocks.mla_group_ids):
             columns[g] = [mla[i] if mla is not None else null for mla, _ in pages]
-        for i, g in enumerate(other_ids):
+        for i, g in enumerate(self.blocks.other_group_ids):
             columns[g] = [other[i] for _, other in pages]
         return self.blocks.with_columns(blocks, columns), num_tokens + len(pages) * self.block_size
+
+    def _room_for_lease(self, request: Request) -> bool:
+        """Whether the pool has the request's hot lease free, after demoting other requests'
+        BOTH pages for it as `_take_lease` does (no page holding a pending hit's block)."""
+        num_blocks = self._lease_blocks_for(request)
+        short = num_blocks - self.blocks.num_free_blocks()
+        if short > 0:
+            self.residency.relieve_pressure(short, protected_blocks=self.hit_block_ids())
+        return self.blocks.num_free_blocks() >= num_blocks
+
+    def _host_copies_from(self, request: Request, start: int, end: int) -> list[HostPage]:
+        """The host pool's copies of the request's pages from `start`, up to `end` or the
+        first it does not hold."""
+        copies = []
+        for position in range(start, end):
+            page = self.host_pool.lookup(request.block_hashes[position])
+            if page is None:
+                break
+            copies.append(page)
+        return copies
 
     def room_when_alone(self, request: Request) -> int:
         """Free blocks a hit may touch when no request runs: what the request's first chunk

@@ -54,8 +54,6 @@ class KVCacheBlockAccess:
         # A demoted page's entries, one per sparse-MLA group.
         self._null_ids = (self.null_block_id,) * len(self.mla_group_ids)
         self.use_eagle = kv_cache_manager.use_eagle
-        # Groups -> the suffix each group's prefix-cache key adds to a block hash.
-        self._group_suffixes: dict[Sequence[int], list[bytes]] = {}
         self.updates: list[BlockTableUpdate] = []
         self._scheduler: Scheduler | None = None
         self._guarded: Callable[[], Iterable[KVCacheBlock]] = tuple
@@ -210,22 +208,23 @@ class KVCacheBlockAccess:
 
     # -- the prefix cache ----------------------------------------------------------
 
-    def cached_page(self, block_hash: BlockHash, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
-        """The device blocks of a page the prefix cache holds in every one of `group_ids`
-        (the block pool's `get_cached_block`, with the groups' key suffixes made once)."""
-        suffixes = self._group_suffixes.get(group_ids)
-        if suffixes is None:
-            suffixes = self._group_suffixes[tuple(group_ids)] = [
-                make_block_hash_with_group_id(BlockHash(b""), g) for g in group_ids
-            ]
+    def page_lookup(self, group_ids: Sequence[int]) -> Callable[[BlockHash], list[KVCacheBlock] | None]:
+        """A function for a walk over many pages: a page's device blocks where the prefix
+        cache holds it in every one of `group_ids`, else None (the block pool's
+        `get_cached_block`, with each group's key suffix made once)."""
+        suffixes = [make_block_hash_with_group_id(BlockHash(b""), g) for g in group_ids]
         get_one_block = self._pool.cached_block_hash_to_block.get_one_block
-        blocks = []
-        for suffix in suffixes:
-            block = get_one_block(BlockHashWithGroupId(block_hash + suffix))
-            if block is None:
-                return None
-            blocks.append(block)
-        return blocks
+
+        def lookup(block_hash: BlockHash) -> list[KVCacheBlock] | None:
+            blocks = []
+            for suffix in suffixes:
+                block = get_one_block(BlockHashWithGroupId(block_hash + suffix))
+                if block is None:
+                    return None
+                blocks.append(block)
+            return blocks
+
+        return lookup
 
     def with_columns(
         self, blocks: KVCacheBlocks, columns: Mapping[int, Sequence[KVCacheBlock]]
