@@ -660,7 +660,7 @@ def test_a_chunk_restores_its_host_pages_when_the_pool_has_room_for_them(model):
         assert restore.block_ids == tuple(tables[g][i] for g in range(MLA_GROUPS)), "the table holds them"
         assert req.pages[i].state.name == "BOTH" and req.pages[i].block_ids == restore.block_ids
     updates = [u for u in o.hisparse_plan.host_pages if u.request_id == rid]
-    assert updates[-len(host) :] == [dataclasses.replace(u, host_page=-1) for u in updates[-len(host) :]], (
+    assert updates[-len(host) :] == [u._replace(host_page=-1) for u in updates[-len(host) :]], (
         "the workers' map drops them, after the demotion that put them there"
     )
     points = {u.position: u.block_ids for u in o.hisparse_plan.block_table_updates}

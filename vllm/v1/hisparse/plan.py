@@ -4,8 +4,8 @@
 Owns the types that cross from the scheduler process to the workers in
 `SchedulerOutput.hisparse_plan`, one plan per step, and the names of the
 counters that come back in `ModelRunnerOutput.hisparse_counters`. The plan's
-types are frozen dataclasses of plain ints, strings and tuples, so they pickle
-cheaply and mean the same on both sides. The version number changes whenever
+types are frozen dataclasses (and one named tuple) of plain ints, strings and
+tuples, so they pickle cheaply and mean the same on both sides. The version number changes whenever
 a field changes meaning; workers refuse other versions.
 
 A leaf: it imports nothing from HiSparse and holds no behaviour.
@@ -14,7 +14,7 @@ A leaf: it imports nothing from HiSparse and holds no behaviour.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NewType
+from typing import NamedTuple, NewType
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
 HISPARSE_PLAN_VERSION = 7
@@ -99,13 +99,14 @@ class PageRestore:
     host_page: HostPage
 
 
-@dataclass(frozen=True)
-class HostPageUpdate:
+class HostPageUpdate(NamedTuple):
     """A page of a request that is now only in the host pool (demoted, or a host prefix hit),
     or, with `NOT_ON_HOST`, a HOST page resident again (a prefill chunk restored it).
 
     The worker's map holds a request's HOST pages until the request ends (finishes,
-    is aborted or preempted); a plan's updates apply in order.
+    is aborted or preempted); a plan's updates apply in order. A named tuple, not a
+    dataclass: a turn that starts from its history in the host pool sends one per page
+    (2,200 for a 142K-token session), made and pickled each at a tuple's cost.
     """
 
     request_id: str

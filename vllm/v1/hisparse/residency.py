@@ -58,7 +58,7 @@ from typing import Protocol
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS, RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-from vllm.v1.hisparse.plan import NOT_ON_HOST, BlockId, CopyId, HostPage, PageCopy, PageIndex
+from vllm.v1.hisparse.plan import NOT_ON_HOST, BlockId, CopyId, HostPage, HostPageUpdate, PageCopy, PageIndex
 
 
 class PageState(enum.Enum):
@@ -104,7 +104,7 @@ class BlockAllocator(Protocol):
         """
 
 
-@dataclass
+@dataclass(slots=True)
 class Page:
     block_ids: tuple[BlockId, ...] | None  # one device block per sparse-MLA group; None once HOST
     host_page: HostPage | None = None  # host slot (reserved while a copy is in flight)
@@ -241,7 +241,7 @@ class ResidencyManager:
         self.counters = ResidencyCounters()
         # What changed since the last `drain_changes`, for the workers' maps: pages that
         # turned HOST (request, page index, host page) and leases taken (request, blocks).
-        self._new_host_pages: list[tuple[str, PageIndex, HostPage]] = []
+        self._new_host_pages: list[HostPageUpdate] = []
         self._new_leases: list[tuple[str, list[BlockId]]] = []
         # DEVICE pages marked for copy-then-free, in marking order.
         self._marked: dict[tuple[str, int], None] = {}
@@ -323,14 +323,16 @@ class ResidencyManager:
             req.hot_blocks = list(hot_blocks)
             self.counters.hot_leases += 1
             self._new_leases.append((request_id, req.hot_blocks))
-        demotable = req.num_demotable_pages
-        for page in host_pages:
-            index = len(req.pages)
-            if imported and (block_hash := req.page_hash(index)) is not None:
-                self.host_pool.publish(page, block_hash)
-            self._new_host_pages.append((request_id, PageIndex(index), page))
-            req.pages.append(Page(block_ids=None, host_page=page))
-            req.num_host_demotable += index < demotable
+        start = len(req.pages)
+        if imported:
+            for index, page in enumerate(host_pages, start):
+                if (block_hash := req.page_hash(index)) is not None:
+                    self.host_pool.publish(page, block_hash)
+        self._new_host_pages += [
+            HostPageUpdate(request_id, PageIndex(index), page) for index, page in enumerate(host_pages, start)
+        ]
+        req.pages += [Page(None, page) for page in host_pages]
+        req.num_host_demotable += max(0, min(req.num_demotable_pages, start + len(host_pages)) - start)
         req.num_host_pages += len(host_pages)
         self._page_counts[PageState.HOST] += len(host_pages)
         if imported:
@@ -390,7 +392,7 @@ class ResidencyManager:
             page = req.pages[index]
             assert page.state is PageState.HOST, f"{request_id} page {index} is {page.state.name}, not HOST"
             page.block_ids = tuple(block_ids)
-            self._new_host_pages.append((request_id, PageIndex(index), NOT_ON_HOST))
+            self._new_host_pages.append(HostPageUpdate(request_id, PageIndex(index), NOT_ON_HOST))
             if index < demotable:
                 req.num_host_demotable -= 1
                 self._add_settled(req, index)
@@ -442,7 +444,7 @@ class ResidencyManager:
             return
         self._settled.pop(request_id, None)
         if req.num_host_pages or req.hot_blocks:
-            self._new_host_pages = [c for c in self._new_host_pages if c[0] != request_id]
+            self._new_host_pages = [c for c in self._new_host_pages if c.request_id != request_id]
             self._new_leases = [c for c in self._new_leases if c[0] != request_id]
         for index, page in enumerate(req.pages):
             self._page_counts[page.state] -= 1
@@ -475,7 +477,7 @@ class ResidencyManager:
         """Whether the request still has prompt tokens to compute (relief prefers other victims)."""
         self.requests[request_id].prefilling = prefilling
 
-    def drain_changes(self) -> tuple[list[tuple[str, PageIndex, HostPage]], list[tuple[str, list[BlockId]]]]:
+    def drain_changes(self) -> tuple[list[HostPageUpdate], list[tuple[str, list[BlockId]]]]:
         """Pages that turned HOST and leases taken since the last call, for the workers' maps."""
         changes = self._new_host_pages, self._new_leases
         self._new_host_pages, self._new_leases = [], []
@@ -809,7 +811,7 @@ class ResidencyManager:
         for i in indices:
             host_page = req.pages[i].host_page
             assert host_page is not None
-            self._new_host_pages.append((req.request_id, PageIndex(i), host_page))
+            self._new_host_pages.append(HostPageUpdate(req.request_id, PageIndex(i), host_page))
         if not req.hot_blocks:
             req.hot_blocks = self.allocator.take(req.lease_blocks)
             freed -= req.lease_blocks

@@ -50,7 +50,6 @@ from vllm.v1.hisparse.plan import (
     BlockId,
     HiSparseStepPlan,
     HostPage,
-    HostPageUpdate,
     HotLeaseUpdate,
     PageIndex,
     PageRestore,
@@ -566,7 +565,7 @@ class HiSparseScheduling:
             copies=tuple(copies),
             block_table_updates=tuple(updates),
             restores=tuple(restores),
-            host_pages=tuple(HostPageUpdate(*change) for change in new_host_pages),
+            host_pages=tuple(new_host_pages),
             leases=tuple(self._lease_update(rid, blocks) for rid, blocks in new_leases),
             staging=tuple(staging),
         )
