@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -186,6 +187,27 @@ def test_steps_with_host_pages_pay_the_resolvers_plan_and_replay(model):
             simulated_s[config, plan_s] = record["simulated_s"]
     assert simulated_s["preemption", 0.01] == simulated_s["preemption", 0.0]
     assert simulated_s["hybrid", 0.01] > simulated_s["hybrid", 0.0]
+
+
+def test_the_scheduler_runs_with_its_start_up_heap_frozen_as_in_engine_core(model, monkeypatch):
+    """The measured scheduler time includes the garbage collector's passes, as in the engine:
+    EngineCore freezes its start-up heap (the block pool's blocks among it) once its
+    scheduler is built, so full passes skip it. The simulator does the same for each run,
+    and unfreezes when the run ends."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    frozen_while_scheduling = []
+    schedule = Scheduler.schedule
+
+    def observed_schedule(self):
+        frozen_while_scheduling.append(gc.get_freeze_count())
+        return schedule(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", observed_schedule)
+    with connector_flag("TieringOffloadingSpec", CONNECTOR_BYTES, label="frozen-heap") as kv_transfer:
+        simulated_run(model, "hybrid", kv_transfer)
+    assert frozen_while_scheduling and min(frozen_while_scheduling) > 0, "frozen for the whole run"
+    assert gc.get_freeze_count() == 0, "and unfrozen after it"
 
 
 # Sixteen of the bench's sessions against a 32 MiB connector tier and a 1 GiB pool: the

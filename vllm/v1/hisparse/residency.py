@@ -446,8 +446,9 @@ class ResidencyManager:
         if req.num_host_pages or req.hot_blocks:
             self._new_host_pages = [c for c in self._new_host_pages if c.request_id != request_id]
             self._new_leases = [c for c in self._new_leases if c[0] != request_id]
+        for state in PageState:
+            self._page_counts[state] -= req.count(state)  # kept as pages change (`check`)
         for index, page in enumerate(req.pages):
-            self._page_counts[page.state] -= 1
             if page.demote_when_copied:
                 self._marked.pop((request_id, index), None)
             if page.copy_id is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.hisparse.capacity import planner
 from vllm.v1.hisparse.capacity.engine import build_scheduler, make_request, scheduler_kv_cache_config
 from vllm.v1.hisparse.capacity.step_model import (
@@ -370,6 +372,7 @@ class Simulation:
         try:
             return self._run(max_steps)
         finally:
+            gc.unfreeze()
             hisparse = getattr(self, "hisparse", None)  # none where the configuration is refused
             if hisparse is not None:
                 self.record.ownership_checks = hisparse.ownership_checks
@@ -378,6 +381,10 @@ class Simulation:
         record = self.record
         if self.scheduler is None:
             return record
+        # As EngineCore does once its scheduler is built: the start-up heap (the block pool's
+        # blocks among it) is frozen, so the collector's full passes during the run skip it;
+        # `run` unfreezes it when the run ends.
+        freeze_gc_heap()
         started = time.perf_counter()
         w = self.workload
         sessions = [
