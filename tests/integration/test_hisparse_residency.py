@@ -244,7 +244,10 @@ def test_a_context_larger_than_the_gpu_pool_is_admitted_and_runs(model):
     assert sum(o.num_scheduled_tokens.get(rid, 0) for o in obs) == 1000 + 15, "nothing recomputed"
 
 
-def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
+def a_prefix_only_the_host_pool_holds(model: str):
+    """A finished request's 640-token prefix (ten pages) whose sparse-MLA blocks churn has
+    evicted from the device prefix cache; its indexer blocks are still cached there, and
+    the host pool holds its pages. (harness, the prefix, the finished request)"""
     h = harness(model, 64)
     shared = prompt(3, 640)
     first = h.add_request(shared + prompt(4, 20), max_tokens=8)
@@ -252,11 +255,12 @@ def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
     mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
     run_checked(h)
     assert h.hisparse.stats()["pages_copied_to_host"] == 10
-
-    # Churn evicts the first request's sparse-MLA blocks from the device prefix cache;
-    # its indexer blocks are still cached there.
     h.kv_cache_manager.evict_blocks(mla_blocks)
+    return h, shared, first
 
+
+def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
+    h, shared, _ = a_prefix_only_the_host_pool_holds(model)
     second = h.add_request(shared + prompt(5, 30), max_tokens=8)
     obs = run_checked(h)
     admitted = obs[0]
@@ -276,13 +280,7 @@ def test_a_host_prefix_hit_without_room_for_its_lease_ends_at_its_first_host_pag
     does not look its whole history up every step), it holds no host reference, and the
     copies it wanted become the host pool's most recently used, in page order (as if taken
     and given back), so they outlast the others while it waits."""
-    h = harness(model, 64)
-    shared = prompt(3, 640)
-    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
-    h.step()
-    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
-    run_checked(h)
-    h.kv_cache_manager.evict_blocks(mla_blocks)
+    h, shared, first = a_prefix_only_the_host_pool_holds(model)
     pool = h.hisparse.residency.host_pool
     wanted = [pool.lookup(block_hash) for block_hash in first.block_hashes[:10]]
     assert None not in wanted and pool.num_referenced == 0
