@@ -161,13 +161,14 @@ def run_stress(
             accepted_drafts=lambda n: rng.randint(0, n), drafter_layers=True,
         )  # fmt: skip
     page_gib = GLM53_PAGE_GIB if drafter else PAGE_GIB
+    proactive = rng.random() < 0.8
     h = SchedulerHarness.create(
         model=model,
         # The drafter's layer and the indexers stay whole on the device: a third more.
         memory_bytes=round((memory_mib << 20) * (1.35 if drafter else 1)),
         attention_config={
             "hisparse_config": {"host_pool_gib": (host_pages + 0.5) * page_gib, "mode": mode,
-                                "proactive_copy": rng.random() < 0.8}
+                                "proactive_copy": proactive}
         },
         max_model_len=1024,
         max_num_batched_tokens=rng.choice([128, 256, 512]),
@@ -183,10 +184,10 @@ def run_stress(
     seen = run_sessions(h, rng, connector)
     assert_nothing_held(h)
     stats = h.hisparse.stats()
-    # The workload did what it exists for: residency moved under pressure.
-    # (With the drafter's larger pool, 14 MiB without proactive copies is roomy enough
-    # that nothing need be copied.)
-    assert stats["pages_copied_to_host"] > 0 or (drafter and memory_mib >= 14), stats
+    # The workload did what it exists for: residency moved under pressure. (Without
+    # proactive copies a page is copied only under pressure, and some seeds' sessions never
+    # fill a 14 MiB pool: seed 2841 without a drafter, eight seeds with one.)
+    assert stats["pages_copied_to_host"] > 0 or (not proactive and memory_mib >= 14), stats
     assert stats["pages_demoted"] + seen["preempted"] > 0 or memory_mib >= 10, (stats, seen)
     if drafter:  # the drafter's tokens were verified, and some accepted
         assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted
