@@ -66,11 +66,18 @@ class PageState(enum.Enum):
     BOTH = "both"
     HOST = "host"
 
+    # Members are singletons compared by identity: hashing by identity agrees with that,
+    # and costs a C call instead of Enum's Python-level hash of the name (the per-state
+    # counts are updated for every page a request registers).
+    __hash__ = object.__hash__
+
 
 class RequestState(enum.Enum):
     FULL = "full"
     MIXED = "mixed"
     NONE = "none"
+
+    __hash__ = object.__hash__  # as PageState's
 
 
 class BlockAllocator(Protocol):
@@ -342,15 +349,15 @@ class ResidencyManager:
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[BlockId]]) -> None:
         """New pages the KV cache manager gave the request, in order: k block ids each."""
+        width = self.blocks_per_page
         for block_ids in pages:
-            if len(block_ids) != self.blocks_per_page:
-                raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
+            if len(block_ids) != width:
+                raise ValueError(f"a page has {width} blocks, got {list(block_ids)}")
         req = self.requests[request_id]
-        for block_ids in pages:
-            index = len(req.pages)
-            req.pages.append(Page(block_ids=tuple(block_ids)))
-            if index < req.num_complete_pages:
-                req.uncopied[index] = None
+        start = len(req.pages)
+        req.pages += [Page(tuple(block_ids)) for block_ids in pages]
+        # Complete ones are proactive copy candidates, in page order.
+        req.uncopied.update(dict.fromkeys(range(start, min(len(req.pages), req.num_complete_pages))))
         self._page_counts[PageState.DEVICE] += len(pages)
 
     def append_restored_page(
@@ -410,8 +417,13 @@ class ResidencyManager:
     def advance(self, request_id: str, num_stable_tokens: int) -> None:
         """Tokens computed and committed: pages wholly below this may be copied and demoted."""
         req = self.requests[request_id]
+        num_complete = min(len(req.pages), num_stable_tokens // self.block_size)
+        if num_complete == req.num_complete_pages:  # most decode steps complete no page
+            if not req.both_demotable:
+                self._settled.pop(request_id, None)
+            return
         complete_before, demotable_before = req.num_complete_pages, req.num_demotable_pages
-        req.num_complete_pages = min(len(req.pages), num_stable_tokens // self.block_size)
+        req.num_complete_pages = num_complete
         for index in range(complete_before, req.num_complete_pages):  # newly complete
             page = req.pages[index]
             if page.state is PageState.DEVICE and not page.copying and not page.demote_when_copied:

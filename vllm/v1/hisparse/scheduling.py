@@ -711,9 +711,49 @@ class HiSparseScheduling:
         pages, restores and lease pass over as their pages are (the record keeps the rest)."""
         residency = self.residency
         req = residency.requests[request_id]
-        # Consecutive HOST pages pass over in one run each (a host prefix hit is hundreds).
+        start, end = len(req.pages), self.blocks.num_table_pages(request_id)
+        if end > start:
+            # Each page's block ids, one per sparse-MLA group (a new turn's history is
+            # thousands of pages: one pass per group, not one call per page).
+            # A group whose table is shorter than the first's raises ValueError.
+            columns = [
+                [b.block_id for b in column[: end - start]]
+                for column in self.blocks.page_columns(request_id, start)
+            ]
+            rows: list[tuple[BlockId, ...]] = list(zip(*columns, strict=True))
+            if not record.host_pages and not record.restores:
+                self._append_device_pages(request_id, start, rows)
+            else:
+                self._register_mixed_pages(request_id, record, start, rows)
+        assert not record.host_pages, f"{request_id}: host pages {record.host_pages} beyond its block table"
+        assert not record.restores, f"{request_id}: restored pages {record.restores} beyond its block table"
+        if record.lease:  # no HOST page after all
+            lease, record.lease = record.lease, []
+            residency.allocator.give_back(lease)
+
+    def _append_device_pages(self, request_id: str, start: int, rows: list[tuple[BlockId, ...]]) -> None:
+        """Pages `start`, `start + 1`, ... computed or hit on the device, registered in one call."""
+        if not rows:
+            return
+        null = self.null_block_id
+        if any(null in row for row in rows):
+            # A null placeholder always comes with its host page (the admission's).
+            position = start + next(i for i, row in enumerate(rows) if null in row)
+            raise AssertionError(f"{request_id}: page {position} has no copy")
+        self.residency.append_pages(request_id, rows)
+
+    def _register_mixed_pages(
+        self, request_id: str, record: PendingAdmission, start: int, rows: list[tuple[BlockId, ...]]
+    ) -> None:
+        """As `_register_pages`, for new pages among which the admission placed host pages or
+        restores: consecutive pages of one kind pass over in one run each."""
+        residency = self.residency
         run: list[HostPage] = []
         run_imported = False
+        device_from = start  # the first page of the pending run of device pages
+
+        def pass_device_run(position: int) -> None:
+            self._append_device_pages(request_id, device_from, rows[device_from - start : position - start])
 
         def pass_run() -> None:
             if run:
@@ -721,10 +761,16 @@ class HiSparseScheduling:
                 residency.append_host_pages(request_id, list(run), lease, imported=run_imported)
                 run.clear()
 
-        start, end = len(req.pages), self.blocks.num_table_pages(request_id)
-        columns = self.blocks.page_columns(request_id, start)
-        for position in range(start, end):
-            if position in record.host_pages:
+        for position in range(start, start + len(rows)):
+            host = position in record.host_pages
+            if not host and position not in record.restores:
+                if run:
+                    pass_run()
+                    device_from = position
+                continue
+            pass_device_run(position)
+            device_from = position + 1
+            if host:
                 imported = position in record.landed
                 if run and imported != run_imported:
                     pass_run()
@@ -732,21 +778,11 @@ class HiSparseScheduling:
                 run.append(record.host_pages.pop(PageIndex(position)))
                 continue
             pass_run()
-            block_ids = tuple(BlockId(column[position - start].block_id) for column in columns)
-            if position in record.restores:
-                residency.append_restored_page(
-                    request_id, block_ids, record.restores.pop(PageIndex(position))
-                )
-            else:
-                # A null placeholder always comes with its host page (the admission's).
-                assert self.null_block_id not in block_ids, f"{request_id}: page {position} has no copy"
-                residency.append_pages(request_id, [block_ids])
+            residency.append_restored_page(
+                request_id, rows[position - start], record.restores.pop(PageIndex(position))
+            )
         pass_run()
-        assert not record.host_pages, f"{request_id}: host pages {record.host_pages} beyond its block table"
-        assert not record.restores, f"{request_id}: restored pages {record.restores} beyond its block table"
-        if record.lease:  # no HOST page after all
-            lease, record.lease = record.lease, []
-            residency.allocator.give_back(lease)
+        pass_device_run(start + len(rows))
 
     # -- observation -----------------------------------------------------------
 
