@@ -339,7 +339,10 @@ def test_quick_simulation_of_glm53_on_8xh200_prints_one_record_per_configuration
         assert record["sessions_completed"] == 32 and record["requests"] == 32 * 3
         assert record["output_tokens_per_s"] > 0 and record["per_user_tokens_per_s"] > 0
         assert record["scheduler_ms_per_step"] > 0
-        assert record["labels"]["mean_running"] == "simulated"
+        # The scheduler's measured time against the steps' simulated time.
+        assert record["scheduler_share_of_step"] > 0
+        assert 0 <= record["steps_scheduler_over_step"] <= 1
+        assert record["labels"]["mean_running"] == record["labels"]["scheduler_share_of_step"] == "simulated"
         assert record["labels"]["preemptions"] == record["labels"]["scheduler_ms_per_step"] == "measured"
     # 8 x H200 holds about eight 75K-token sessions whole: hybrid runs more of the 32 at once.
     assert records["hybrid"]["mean_running"] > records["offload"]["mean_running"]

@@ -113,6 +113,8 @@ SIMULATED = (
     "tpot_p50_s",
     "tpot_p99_s",
     "simulated_s",
+    "scheduler_share_of_step",
+    "steps_scheduler_over_step",
     "bytes_to_host",
     "bytes_from_host",
 )
@@ -188,6 +190,12 @@ class Record:
     steps: int = 0
     scheduler_ms_per_step: float = 0.0
     scheduler_ms_p99: float = 0.0
+    # The scheduler's measured CPU time against the simulated steps it scheduled: its sum
+    # over theirs, and the share of steps it outlasted. With async scheduling (vLLM's
+    # default) the next step is scheduled while the GPU runs this one, so only a
+    # scheduler step longer than the GPU's delays it.
+    scheduler_share_of_step: float = 0.0
+    steps_scheduler_over_step: float = 0.0
     # HiSparse's ownership checks run (`--check-ownership`: after every schedule and output).
     ownership_checks: int = 0
     wall_s: float = 0.0
@@ -406,6 +414,7 @@ class Simulation:
         timeline: list[tuple[float, float, int]] = []  # busy steps: (start, seconds, running)
         accounting = StepAccounting(self.scheduler)
         sched_ms: list[float] = []
+        step_ms: list[float] = []  # the simulated time of each step sched_ms measured
         spec_tokens = self.model.shape.num_speculative_tokens
         scheduler = self.scheduler
         ids = 0
@@ -505,6 +514,7 @@ class Simulation:
             t_update = time.perf_counter() - t0
             if busy:
                 sched_ms.append((t_schedule + t_update) * 1e3)
+                step_ms.append(seconds * 1e3)
                 record.steps += 1
             # Tokens produced this step, and the turns that ended.
             for outputs in engine_outputs.values():
@@ -563,6 +573,11 @@ class Simulation:
         record.later_turn_ttft_p50_s = percentile(later, 0.5)
         record.scheduler_ms_per_step = statistics.fmean(sched_ms) if sched_ms else 0.0
         record.scheduler_ms_p99 = percentile(sched_ms, 0.99)
+        if sched_ms and sum(step_ms) > 0:
+            record.scheduler_share_of_step = sum(sched_ms) / sum(step_ms)
+            record.steps_scheduler_over_step = sum(
+                a > b for a, b in zip(sched_ms, step_ms, strict=True)
+            ) / len(sched_ms)
         record.wall_s = time.perf_counter() - started
         record.labels = {name: "measured" for name in MEASURED} | {name: "simulated" for name in SIMULATED}
         return record
@@ -830,6 +845,7 @@ TABLE_FIELDS = (
     ("bytes_to_host", "GB to host (sim)", "{:.1f}"),
     ("bytes_from_host", "GB from host (sim)", "{:.1f}"),
     ("scheduler_ms_per_step", "scheduler ms/step", "{:.2f}"),
+    ("steps_scheduler_over_step", "steps scheduler > GPU (sim)", "{:.1%}"),
 )
 
 
