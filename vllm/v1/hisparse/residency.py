@@ -424,17 +424,25 @@ class ResidencyManager:
             return
         complete_before, demotable_before = req.num_complete_pages, req.num_demotable_pages
         req.num_complete_pages = num_complete
+        # A new turn completes its whole history at once: `Page.state` spelled out below.
+        pages, uncopied = req.pages, req.uncopied
         for index in range(complete_before, req.num_complete_pages):  # newly complete
-            page = req.pages[index]
-            if page.state is PageState.DEVICE and not page.copying and not page.demote_when_copied:
-                req.uncopied[index] = None
+            page = pages[index]
+            # DEVICE, no copy in flight, not marked.
+            if (
+                page.block_ids is not None
+                and page.host_page is None
+                and page.copy_id is None
+                and not page.demote_when_copied
+            ):
+                uncopied[index] = None
         for index in range(req.num_complete_pages, complete_before):  # rejected speculative tokens
-            req.uncopied.pop(index, None)
+            uncopied.pop(index, None)
         for index in range(demotable_before, req.num_demotable_pages):  # newly demotable
-            state = req.pages[index].state
-            if state is PageState.HOST:
+            page = pages[index]
+            if page.block_ids is None:  # HOST
                 req.num_host_demotable += 1
-            elif state is PageState.BOTH:
+            elif page.host_page is not None and page.copy_id is None:  # BOTH
                 self._add_settled(req, index)
         for index in range(req.num_demotable_pages, demotable_before):
             state = req.pages[index].state
@@ -522,9 +530,8 @@ class ResidencyManager:
             for req in self.requests.values():
                 if len(wanted) >= self.max_copies_per_step:
                     break
-                for index in list(itertools.islice(req.uncopied, self.max_copies_per_step - len(wanted))):
-                    if not self._reuse_host_copy(req, index):
-                        wanted.append((req.request_id, index))
+                indices = list(itertools.islice(req.uncopied, self.max_copies_per_step - len(wanted)))
+                wanted += [(req.request_id, index) for index in self._reuse_host_copies(req, indices)]
         copies: list[PageCopy] = []
         for request_id, index in wanted[: self.max_copies_per_step]:
             try:
@@ -546,26 +553,35 @@ class ResidencyManager:
             copies.append(copy)
         return copies
 
-    def _reuse_host_copy(self, req: RequestResidency, index: int) -> bool:
-        """A complete DEVICE page whose content the host pool already holds (an earlier
+    def _reuse_host_copies(self, req: RequestResidency, indices: Sequence[int]) -> list[int]:
+        """Complete DEVICE pages whose content the host pool already holds (an earlier
         request's copy of the same block hash, e.g. a session's history found again on the
-        device): BOTH at once with that copy, retained, instead of copying it again."""
-        page = req.pages[index]
-        block_hash = req.page_hash(index)
-        if block_hash is None or page.demote_when_copied:
-            return False
-        host_page = self.host_pool.retain_cached(block_hash)
-        if host_page is None:
-            return False
-        page.host_page = host_page
-        req.uncopied.pop(index, None)
-        req.num_both_pages += 1
-        self._page_counts[PageState.DEVICE] -= 1
-        self._page_counts[PageState.BOTH] += 1
-        if index < req.num_demotable_pages:
-            self._add_settled(req, index)
-        self.counters.copies_avoided += 1
-        return True
+        device): BOTH at once with that copy, retained, instead of copying it again. The
+        pages, in order, that still need a copy."""
+        hashes, pages = req.block_hashes, req.pages
+        num_hashes, num_demotable = len(hashes), req.num_demotable_pages
+        retain_cached, uncopied = self.host_pool.retain_cached, req.uncopied
+        to_copy: list[int] = []
+        reused = 0
+        for index in indices:
+            page = pages[index]
+            block_hash = hashes[index] if index < num_hashes else None
+            host_page = None
+            if block_hash is not None and not page.demote_when_copied:
+                host_page = retain_cached(block_hash)
+            if host_page is None:
+                to_copy.append(index)
+                continue
+            page.host_page = host_page
+            uncopied.pop(index, None)
+            reused += 1
+            if index < num_demotable:
+                self._add_settled(req, index)
+        req.num_both_pages += reused
+        self._page_counts[PageState.DEVICE] -= reused
+        self._page_counts[PageState.BOTH] += reused
+        self.counters.copies_avoided += reused
+        return to_copy
 
     def _reported(self, copy_id: CopyId) -> PageCopy:
         copy = self._in_flight.pop(copy_id, None)
