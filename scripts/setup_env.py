@@ -18,6 +18,7 @@ import base64
 import csv
 import hashlib
 import io
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,10 @@ STAMP = VENV / ".hisparse-setup"
 TEST_REQUIREMENTS = REPO / "tests" / "requirements.txt"
 FINGERPRINT_INPUTS = ("upstream.toml", "setup.py", "tests/requirements.txt")
 FINGERPRINT_DIRS = ("patches", "vllm", "csrc", "scripts")
+# What a fresh install takes on disk, with room to spare: .venv is about 4.4 GiB
+# (torch, vLLM and the test tools) and the wheel build's upstream cache about 0.5 GiB.
+# pip fails halfway through with ENOSPC otherwise, leaving a broken .venv.
+SETUP_DISK_BYTES = 6 << 30
 
 
 def venv_python() -> Path:
@@ -77,6 +82,18 @@ def hand_edited_files() -> list[str]:
     return edited
 
 
+def disk_shortfall(path: Path, needed: int) -> str | None:
+    """A message saying what is missing when the disk under `path` has less than `needed` free."""
+    free = shutil.disk_usage(path).free
+    if free >= needed:
+        return None
+    return (
+        f"setup: {free / 2**30:.1f} GiB free on the disk holding {path}; a fresh install "
+        f"needs about {needed / 2**30:.0f} GiB (the .venv with torch and vLLM, and the "
+        "wheel build's caches). Free some space and run `make setup` again."
+    )
+
+
 def run(*cmd: str | Path) -> None:
     print("+ " + " ".join(str(c) for c in cmd), flush=True)
     subprocess.run([str(c) for c in cmd], check=True, cwd=REPO)
@@ -104,6 +121,10 @@ def setup(force: bool) -> int:
             "to discard them.",
             file=sys.stderr,
         )
+        return 1
+    short = disk_shortfall(REPO, SETUP_DISK_BYTES)
+    if short:
+        print(short, file=sys.stderr)
         return 1
     if not venv_python().exists():
         run(sys.executable, "-m", "venv", VENV)

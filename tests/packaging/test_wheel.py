@@ -151,3 +151,19 @@ def test_wheel_metadata_names_this_distribution_not_the_upstream_packager(cpu_wh
         description = zf.read(name).decode().split("\n\n", 1)[1]
     assert f"{pin.cpu_distribution}=={pin.version}" in description
     assert "not a release of the vLLM project" in description
+
+
+def test_setup_refuses_to_start_an_install_the_disk_cannot_hold(tmp_path, monkeypatch):
+    """A fresh install on a nearly full disk stops before pip, saying what it needs."""
+    free = setup_env.shutil.disk_usage(tmp_path).free
+    assert setup_env.disk_shortfall(tmp_path, free // 2) is None
+    message = setup_env.disk_shortfall(tmp_path, free + (8 << 30))
+    assert message is not None and "GiB free" in message and "make setup" in message
+    # setup() itself stops there: no pip runs, and the stamp of a good .venv is not touched.
+    ran: list[tuple] = []
+    monkeypatch.setattr(setup_env, "run", lambda *cmd: ran.append(cmd))
+    monkeypatch.setattr(setup_env, "STAMP", tmp_path / "stamp")
+    monkeypatch.setattr(setup_env, "SETUP_DISK_BYTES", free + (8 << 30))
+    monkeypatch.setattr(setup_env, "hand_edited_files", lambda: [])
+    assert setup_env.setup(force=False) == 1
+    assert ran == []
