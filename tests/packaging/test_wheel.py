@@ -159,11 +159,15 @@ def test_setup_refuses_to_start_an_install_the_disk_cannot_hold(tmp_path, monkey
     assert setup_env.disk_shortfall(tmp_path, free // 2) is None
     message = setup_env.disk_shortfall(tmp_path, free + (8 << 30))
     assert message is not None and "GiB free" in message and "make setup" in message
-    # setup() itself stops there: no pip runs, and the stamp of a good .venv is not touched.
+    # setup() itself stops there: no pip runs, and the stamp of the .venv it would have
+    # replaced stays as it was.
     ran: list[tuple] = []
+    stamp = tmp_path / "stamp"
+    stamp.write_text("an older fingerprint\n")
     monkeypatch.setattr(setup_env, "run", lambda *cmd: ran.append(cmd))
-    monkeypatch.setattr(setup_env, "STAMP", tmp_path / "stamp")
+    monkeypatch.setattr(setup_env, "STAMP", stamp)
     monkeypatch.setattr(setup_env, "SETUP_DISK_BYTES", free + (8 << 30))
     monkeypatch.setattr(setup_env, "hand_edited_files", lambda: [])
     assert setup_env.setup(force=False) == 1
     assert ran == []
+    assert stamp.read_text() == "an older fingerprint\n"
