@@ -342,14 +342,17 @@ def test_the_ownership_check_sees_a_held_history_block_that_is_also_leased(model
         h.hisparse.check_ownership()
 
 
-def offloading_harness(model: str, engine_id: str, report_delay: int) -> SchedulerHarness:
+def offloading_harness(
+    model: str, engine_id: str, report_delay: int, mode: str = "hybrid"
+) -> SchedulerHarness:
     """HiSparse with the OffloadingConnector (a 32 MiB CPU tier) in a 20 MiB device pool."""
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
         kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
     )  # fmt: skip
     return SchedulerHarness.create(
-        model=model, memory_bytes=20 << 20, attention_config=HISPARSE, max_model_len=1024,
+        model=model, memory_bytes=20 << 20, max_model_len=1024,
+        attention_config={"hisparse_config": {**HISPARSE["hisparse_config"], "mode": mode}},
         max_num_batched_tokens=1024, kv_transfer_config=transfer, report_delay=report_delay,
     )  # fmt: skip
 
@@ -406,6 +409,109 @@ def test_a_connector_hit_whose_tail_left_the_host_pool_keeps_the_pages_the_pool_
         h.step()
     started = h.observations[-1].num_computed_tokens["B2"] - h.observations[-1].num_scheduled_tokens["B2"]
     assert started == held * BLOCK, f"B2 started at token {started}, not after the {held} host-held pages"
+    h.run_until_done()
+    h.hisparse.check_ownership()
+
+
+def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(model, monkeypatch):
+    """A session's next turn whose history only the OffloadingConnector (indexer pages) and
+    the host pool (sparse-MLA pages) hold, with no room for a hot lease, recomputes it. The
+    hit's host pages are looked up and never retained: a turn that waits for room tries again
+    every step, over a history of thousands of pages, and taking and giving back each
+    page's reference every time changes nothing. They end as the host pool's most recently
+    used, in page order, as if taken and given back, so they outlast the others while it
+    waits. With room (the next turn), the same hit is taken, each page retained once."""
+    h = offloading_harness(model, "no-lease-hit", report_delay=1)
+    first_turn = prompt(5, 400)
+    h.add_request(first_turn, max_tokens=2, request_id="C1")
+    h.run_until_done()
+    assert h.kv_cache_manager.reset_prefix_cache(), "only the connector and the host pool hold C1 now"
+    pool = h.hisparse.residency.host_pool
+    wanted = [pool.lookup(block_hash) for block_hash in h.requests["C1"].block_hashes[:6]]
+    assert None not in wanted and pool.num_referenced == 0
+    pool.touch(reversed(wanted))
+    admissions = h.hisparse.admissions
+    cap, retain, retained, seen = admissions.cap_external_hit, pool.retain, [], []
+
+    def counted_retain(page):
+        retained.append(page)
+        retain(page)
+
+    def observed_cap(request, *args, **kwargs):
+        retained.clear()
+        hit = cap(request, *args, **kwargs)
+        seen.append((hit[1], list(retained), list(pool._evictable)))
+        return hit
+
+    monkeypatch.setattr(pool, "retain", counted_retain)
+    monkeypatch.setattr(admissions, "cap_external_hit", observed_cap)
+    lease_blocks = admissions._lease_blocks_for
+    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
+    second_turn = [*first_turn, *h.requests["C1"].output_token_ids, *prompt(6, 60)]
+    h.add_request(second_turn, max_tokens=4, request_id="C2")
+    admitted = h.step()
+    assert admitted.new_request_cached_tokens["C2"] == 0, "no lease: recomputed"
+    ((hit_tokens, taken, evictable),) = seen
+    assert hit_tokens == 0 and taken == [], f"the refused hit took host references {taken}"
+    assert evictable[-len(wanted) :] == wanted
+    h.run_until_done()
+    h.hisparse.check_ownership()
+
+    monkeypatch.setattr(admissions, "_lease_blocks_for", lease_blocks)
+    assert h.kv_cache_manager.reset_prefix_cache()
+    third_turn = [*second_turn, *h.requests["C2"].output_token_ids, *prompt(7, 60)]
+    seen.clear()
+    h.add_request(third_turn, max_tokens=4, request_id="C3")
+    while "C3" not in h.hisparse.residency.requests:
+        h.step()
+    hit_tokens, taken, _ = seen[-1]
+    assert hit_tokens > 0 and sorted(taken) == sorted(set(taken)), "each page of the hit retained once"
+    assert len(taken) == hit_tokens // BLOCK
+    h.run_until_done()
+    h.hisparse.check_ownership()
+
+
+def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_connector_hit(
+    model, monkeypatch
+):
+    """The device still caches a finished turn's indexer pages, the host pool its sparse-MLA
+    pages, and the OffloadingConnector the indexer pages too. The next turn's walk reaches
+    the first host page, finds no room for a hot lease (demotion made none) and ends there;
+    the connector then offers the same history. The lease is not tried a second time in that
+    step: nothing that could make room has happened since, and a second relief would only
+    mark more pages for demotion for the same turn."""
+    # Mode "always" never restores a connector hit's pages instead of leasing for them.
+    h = offloading_harness(model, "no-second-lease", report_delay=1, mode="always")
+    first_turn = prompt(8, 400)
+    h.add_request(first_turn, max_tokens=2, request_id="D1")
+    h.step()
+    mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids("D1")[g]}
+    h.run_until_done()
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+    admissions = h.hisparse.admissions
+    calls: list[str] = []
+    room, take = admissions._room_for_lease, admissions._take_lease
+
+    def counted_room(request):
+        calls.append("walk")
+        return room(request)
+
+    def counted_take(request):
+        calls.append("lease")
+        return take(request)
+
+    monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
+    monkeypatch.setattr(admissions, "_take_lease", counted_take)
+    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
+    h.add_request(prompt(10, 100), max_tokens=50, request_id="E1")  # one runs: the hit is not capped
+    h.step()
+    calls.clear()
+    second_turn = [*first_turn, *h.requests["D1"].output_token_ids, *prompt(9, 60)]
+    h.add_request(second_turn, max_tokens=4, request_id="D2")
+    while "D2" not in h.hisparse.residency.requests:
+        admitted = h.step()
+    assert admitted.new_request_cached_tokens["D2"] == 0, "no lease: recomputed"
+    assert calls == ["walk"], f"lease attempts in D2's admission: {calls}"
     h.run_until_done()
     h.hisparse.check_ownership()
 

@@ -65,6 +65,9 @@ class PendingAdmission:
     # The request's blocks are allocated (its table holds the hit, restores are planned): the record
     # waits for the request's first scheduled step, possibly after a connector's load.
     allocated: bool = False
+    # This step's walk found no room for a hot lease: it is not tried again for a
+    # connector's hit in the same step.
+    no_lease: bool = False
 
 
 @dataclass
@@ -313,6 +316,7 @@ class Admissions:
                     guarded = len(pages)
                     if not self._room_for_lease(request):
                         no_lease_at = position
+                        record.no_lease = True
                         break
                 host_pages[PageIndex(position)] = host_page
             pages.append((mla, other))
@@ -461,17 +465,22 @@ class Admissions:
         if not (self._plans_issued() and self.host_prefix_hits) or num_local_tokens % self.block_size:
             return new_computed_blocks, 0
         end = num_local_tokens + num_external_tokens
+        # The hit's host pages are looked up, not retained, until it is decided what the
+        # request takes: nothing below allocates a host page, so none can be evicted
+        # meanwhile. A hit the request does not take (most often a waiting turn that finds
+        # no room for its lease, every step) then costs no reference taken and given back.
         hit: dict[PageIndex, HostPage] = {}
+        hashes, lookup = request.block_hashes, self.host_pool.lookup
         for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
             host_page = None
-            if position < len(request.block_hashes):  # else a partial page: never copied
-                host_page = self.host_pool.retain_cached(request.block_hashes[position])
+            if position < len(hashes):  # else a partial page: never copied
+                host_page = lookup(hashes[position])
             if host_page is None:
                 num_external_tokens = self._cut_hit(hit, num_local_tokens, position * self.block_size)
                 if not num_external_tokens:
                     return new_computed_blocks, 0
                 break
-            hit[PageIndex(position)] = HostPage(host_page)
+            hit[PageIndex(position)] = host_page
         restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
         room = self.blocks.num_free_blocks() // 2
         if self._nothing_runs():
@@ -489,35 +498,45 @@ class Admissions:
             room -= len(hit) * num_other
             restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
         if not record.host_pages and self.residency.mode == "hybrid" and restore_blocks <= room:
-            record.restores = hit
+            record.restores = self._retained(hit)
             return new_computed_blocks, num_external_tokens
         # The page holding the last prompt token is written again (a full-prompt hit
         # recomputes that token): it is restored, never a placeholder.
         last_page = (request.num_tokens - 1) // self.block_size
         on_host = {p: h for p, h in hit.items() if p < last_page}
-        record.restores = {p: h for p, h in hit.items() if p >= last_page}
+        restores = {p: h for p, h in hit.items() if p >= last_page}
         if not on_host:
+            record.restores = self._retained(restores)
             return new_computed_blocks, num_external_tokens
-        if not record.lease:
+        if not record.lease and not record.no_lease:
             record.lease = self._take_lease(request)
-            if not record.lease:
-                self._release_host_pages(hit)
-                record.restores = {}
-                return new_computed_blocks, 0
-        record.host_pages.update(on_host)
+        if not record.lease:
+            # This step's walk found no room for the lease, or the lease failed now: the
+            # copies the request wants stay the most recently used, as if taken and given back.
+            self.host_pool.touch(hit.values())
+            return new_computed_blocks, 0
+        record.restores = self._retained(restores)
+        record.host_pages.update(self._retained(on_host))
         return self.blocks.with_host_placeholders(new_computed_blocks, len(on_host)), num_external_tokens
+
+    def _retained(self, pages: dict[PageIndex, HostPage]) -> dict[PageIndex, HostPage]:
+        """`pages`, each retained for the caller (looked up in this same step)."""
+        for page in pages.values():
+            self.host_pool.retain(page)
+        return pages
 
     def _cut_hit(self, hit: dict[PageIndex, HostPage], num_local_tokens: int, held_end: int) -> int:
         """Cut a connector hit whose host pages end at token `held_end` to the last chunk
-        boundary at or below it; release the pages past the cut. The hit's new length."""
+        boundary at or below it; the pages past the cut (looked up, not retained) become the
+        most recently used, as if taken and given back. The hit's new length."""
         chunk = self.hit_chunk_tokens
         end = held_end // chunk * chunk if chunk else num_local_tokens
         if end <= num_local_tokens:
-            self._release_host_pages(hit)
+            self.host_pool.touch(hit.values())
             hit.clear()
             return 0
         beyond = {p: h for p, h in hit.items() if p * self.block_size >= end}
-        self._release_host_pages(beyond)
+        self.host_pool.touch(beyond.values())
         for position in beyond:
             del hit[position]
         self.counters.hits_cut += 1
