@@ -421,7 +421,8 @@ def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(mode
     page's reference every time changes nothing. They end as the host pool's most recently
     used, in page order, as if taken and given back, so they outlast the others while it
     waits. With room (the next turn), the same hit is taken, each page retained once."""
-    h = offloading_harness(model, "no-lease-hit", report_delay=1)
+    # Mode "always" never restores a connector hit's pages instead of leasing for them.
+    h = offloading_harness(model, "no-lease-hit", report_delay=1, mode="always")
     first_turn = prompt(5, 400)
     h.add_request(first_turn, max_tokens=2, request_id="C1")
     h.run_until_done()
@@ -447,6 +448,9 @@ def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(mode
     monkeypatch.setattr(admissions, "cap_external_hit", observed_cap)
     lease_blocks = admissions._lease_blocks_for
     monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
+    h.add_request(prompt(11, 100), max_tokens=60, request_id="F1")  # one runs: the hit is not capped
+    h.step()
+    seen.clear()
     second_turn = [*first_turn, *h.requests["C1"].output_token_ids, *prompt(6, 60)]
     h.add_request(second_turn, max_tokens=4, request_id="C2")
     admitted = h.step()
@@ -454,6 +458,7 @@ def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(mode
     ((hit_tokens, taken, evictable),) = seen
     assert hit_tokens == 0 and taken == [], f"the refused hit took host references {taken}"
     assert evictable[-len(wanted) :] == wanted
+    assert h.hisparse.stats()["host_hits_without_lease"] == 1
     h.run_until_done()
     h.hisparse.check_ownership()
 
@@ -512,6 +517,7 @@ def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_
         admitted = h.step()
     assert admitted.new_request_cached_tokens["D2"] == 0, "no lease: recomputed"
     assert calls == ["walk"], f"lease attempts in D2's admission: {calls}"
+    assert h.hisparse.stats()["host_hits_without_lease"] == 1, "one try, counted once"
     h.run_until_done()
     h.hisparse.check_ownership()
 

@@ -313,6 +313,7 @@ def test_a_host_prefix_hit_without_room_for_its_lease_ends_at_its_first_host_pag
     assert evictable[-len(wanted) :] == wanted
     walked = set(lookups) & set(second.block_hashes)
     assert walked == {second.block_hashes[0]}, "the walk ends at the first host page"
+    assert h.hisparse.stats()["host_hits_without_lease"] == 1
     run_checked(h)
 
 

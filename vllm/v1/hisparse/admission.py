@@ -65,8 +65,8 @@ class PendingAdmission:
     # The request's blocks are allocated (its table holds the hit, restores are planned): the record
     # waits for the request's first scheduled step, possibly after a connector's load.
     allocated: bool = False
-    # This step's walk found no room for a hot lease: it is not tried again for a
-    # connector's hit in the same step.
+    # No room for a hot lease in this step (the walk's check, or a lease that failed): it
+    # is not asked for again for a connector's hit in the same step, and the try counts once.
     no_lease: bool = False
 
 
@@ -78,6 +78,10 @@ class AdmissionCounters:
     pages_restored: int = 0
     # KV connector hits cut short where the host pool's pages of them ended.
     hits_cut: int = 0
+    # Tries to admit a request whose host pages (a host prefix hit or a connector's hit)
+    # found no room for a hot lease: it waits for room, or recomputes the prefix. A turn
+    # that waits counts once per step it tries.
+    hits_without_lease: int = 0
 
 
 class Admissions:
@@ -317,6 +321,7 @@ class Admissions:
                     if not self._room_for_lease(request):
                         no_lease_at = position
                         record.no_lease = True
+                        self.counters.hits_without_lease += 1
                         break
                 host_pages[PageIndex(position)] = host_page
             pages.append((mla, other))
@@ -340,6 +345,8 @@ class Admissions:
                 for page in host_pages.values():
                     self.host_pool.retain(page)
             else:
+                record.no_lease = True
+                self.counters.hits_without_lease += 1
                 # The copies the request wants stay the most recently used, as if taken and
                 # given back.
                 self.host_pool.touch(host_pages.values())
@@ -510,9 +517,12 @@ class Admissions:
             return new_computed_blocks, num_external_tokens
         if not record.lease and not record.no_lease:
             record.lease = self._take_lease(request)
+            if not record.lease:
+                record.no_lease = True
+                self.counters.hits_without_lease += 1
         if not record.lease:
-            # This step's walk found no room for the lease, or the lease failed now: the
-            # copies the request wants stay the most recently used, as if taken and given back.
+            # No room for the lease in this step (found by the walk, or now): the copies the
+            # request wants stay the most recently used, as if taken and given back.
             self.host_pool.touch(hit.values())
             return new_computed_blocks, 0
         record.restores = self._retained(restores)

@@ -123,6 +123,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "KV connector hits cut short where the host pool's pages of them ended (the rest is recomputed).",
         "connector_hits_cut",
     ),
+    "vllm:hisparse_host_hits_without_lease": (
+        "Admission tries whose host pages (a host prefix hit or a KV connector's hit) found no room "
+        "for a hot lease: the request waits for room or recomputes the prefix; once per step it tries.",
+        "host_hits_without_lease",
+    ),
     "vllm:hisparse_host_prefix_pages_reused": (
         "Prefix pages a request took from the host pool instead of recomputing them.",
         "host_prefix_pages_reused",

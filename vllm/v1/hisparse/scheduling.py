@@ -810,6 +810,8 @@ class HiSparseScheduling:
             pages_restored=self.admissions.counters.pages_restored,
             # KV connector hits cut to the pages the host pool held of them.
             connector_hits_cut=self.admissions.counters.hits_cut,
+            # Admission tries whose host pages found no room for a hot lease.
+            host_hits_without_lease=self.admissions.counters.hits_without_lease,
             # Released host-backed sparse-MLA blocks put first in the eviction order.
             blocks_evicted_first=self.blocks_evicted_first,
             # Finished sessions' indexer (and drafter) blocks held on the device, and those
