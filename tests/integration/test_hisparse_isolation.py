@@ -413,6 +413,20 @@ def test_a_connector_hit_whose_tail_left_the_host_pool_keeps_the_pages_the_pool_
     h.hisparse.check_ownership()
 
 
+def next_turn_without_room_for_a_lease(
+    h: SchedulerHarness, monkeypatch, previous: str, seed: int, request_id: str
+) -> list[int]:
+    """With no room for any hot lease and another request running (so the next turn's hit
+    is not capped as a lone request's is), `previous`'s session sends its next turn."""
+    admissions = h.hisparse.admissions
+    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
+    h.add_request(prompt(seed + 100, 100), max_tokens=60, request_id=f"{request_id}-other")
+    h.step()
+    turn = [*h.requests[previous].prompt_token_ids, *h.requests[previous].output_token_ids, *prompt(seed, 60)]
+    h.add_request(turn, max_tokens=4, request_id=request_id)
+    return turn
+
+
 def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(model, monkeypatch):
     """A session's next turn whose history only the OffloadingConnector (indexer pages) and
     the host pool (sparse-MLA pages) hold, with no room for a hot lease, recomputes it. The
@@ -445,14 +459,9 @@ def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(mode
         return hit
 
     monkeypatch.setattr(pool, "retain", counted_retain)
-    monkeypatch.setattr(admissions, "cap_external_hit", observed_cap)
     lease_blocks = admissions._lease_blocks_for
-    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
-    h.add_request(prompt(11, 100), max_tokens=60, request_id="F1")  # one runs: the hit is not capped
-    h.step()
-    seen.clear()
-    second_turn = [*first_turn, *h.requests["C1"].output_token_ids, *prompt(6, 60)]
-    h.add_request(second_turn, max_tokens=4, request_id="C2")
+    second_turn = next_turn_without_room_for_a_lease(h, monkeypatch, "C1", 6, "C2")
+    monkeypatch.setattr(admissions, "cap_external_hit", observed_cap)
     admitted = h.step()
     assert admitted.new_request_cached_tokens["C2"] == 0, "no lease: recomputed"
     ((hit_tokens, taken, evictable),) = seen
@@ -505,14 +514,9 @@ def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_
         calls.append("lease")
         return take(request)
 
+    next_turn_without_room_for_a_lease(h, monkeypatch, "D1", 9, "D2")
     monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
     monkeypatch.setattr(admissions, "_take_lease", counted_take)
-    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
-    h.add_request(prompt(10, 100), max_tokens=50, request_id="E1")  # one runs: the hit is not capped
-    h.step()
-    calls.clear()
-    second_turn = [*first_turn, *h.requests["D1"].output_token_ids, *prompt(9, 60)]
-    h.add_request(second_turn, max_tokens=4, request_id="D2")
     while "D2" not in h.hisparse.residency.requests:
         admitted = h.step()
     assert admitted.new_request_cached_tokens["D2"] == 0, "no lease: recomputed"
