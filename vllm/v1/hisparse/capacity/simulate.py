@@ -26,6 +26,7 @@ result), so the history is a prefix the server may still hold.
 from __future__ import annotations
 
 import argparse
+import array
 import copy
 import dataclasses
 import gc
@@ -239,7 +240,9 @@ class _Session:
     rng: random.Random
     turns: int
     first_tokens: int
-    prompt: list[int] = field(default_factory=list)
+    # The client's copy of the conversation: an array, which the garbage collector does not
+    # walk, because in a deployment it lives in the client, not in the engine's process.
+    prompt: array.array[int] = field(default_factory=lambda: array.array("i"))
     history: int = 0  # tokens the previous turn computed (prompt and answer)
     turn: int = 0
     long: bool = False
@@ -368,8 +371,8 @@ class Simulation:
         _, view = hisparse_connector_view(self.vllm_config, self.kv_cache_config)
         return [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in view.kv_cache_groups]
 
-    def _tokens(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(3, self.vocab) for _ in range(n)]
+    def _tokens(self, rng: random.Random, n: int) -> array.array[int]:
+        return array.array("i", [rng.randrange(3, self.vocab) for _ in range(n)])
 
     # ------------------------------------------------------------------ run
 
@@ -595,7 +598,7 @@ class Simulation:
             record.sessions_completed += 1
             record.long_sessions_completed += session.long
             return
-        answer = [SAMPLED_TOKEN] * turn.output_tokens
+        answer = array.array("i", [SAMPLED_TOKEN]) * turn.output_tokens
         session.history = len(session.prompt) + len(answer)
         session.prompt = session.prompt + answer + self._tokens(session.rng, self.workload.turn_tokens)
         arrivals.append((clock, session))
