@@ -306,3 +306,60 @@ def test_a_producer_offers_only_requests_whose_pages_are_all_on_its_device(model
         assert connector.connector_scheduler.declined_sends == 1
     else:
         assert delay and params["remote_block_ids"] == placeholder
+
+
+def test_an_import_after_a_walk_that_found_no_room_for_a_lease_does_not_ask_again(
+    model, tmp_path, monkeypatch
+):
+    """A session's next turn on a decode instance: the device still caches its history's
+    indexer pages and the host pool its sparse-MLA pages, and the connector's storage holds
+    the whole turn. The walk reaches the first host page, finds no room for a hot lease
+    (demotion made none) and ends there; the connector then offers its import. That import
+    lands on the device without asking for the lease a second time in the step: nothing
+    that could make room has happened since, and a second relief would only mark more
+    pages for demotion for the same turn."""
+    transfer = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )  # fmt: skip
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=KV_CACHE_BYTES, max_model_len=640, max_num_batched_tokens=1024,
+        attention_config={"hisparse_config": {**HISPARSE["hisparse_config"], "mode": "always"}},
+        kv_transfer_config=transfer,
+    )  # fmt: skip
+    h.add_request(prompt(2, 300), max_tokens=2, request_id="E1")
+    h.step()
+    mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids("E1")[g]}
+    h.run_until_done()
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+    history = [*h.requests["E1"].prompt_token_ids, *h.requests["E1"].output_token_ids]
+    pool = h.hisparse.residency.host_pool
+    assert pool.lookup(h.requests["E1"].block_hashes[0]) is not None, "the host pool holds E1"
+    admissions = h.hisparse.admissions
+    calls: list[str] = []
+    room, take = admissions._room_for_lease, admissions._take_lease
+
+    def counted_room(request):
+        calls.append("walk")
+        return room(request)
+
+    def counted_take(request):
+        calls.append("lease")
+        return take(request)
+
+    monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
+    # Another request runs, so E2's hit is not capped as a lone request's is.
+    h.add_request(prompt(4, 100), max_tokens=60, request_id="E-other")
+    h.step()
+    monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
+    monkeypatch.setattr(admissions, "_take_lease", counted_take)
+    turn = [*history, *prompt(3, 60)]
+    assert store(h, turn) > len(history) // BLOCK * BLOCK, "the import covers the history"
+    h.add_request(turn, max_tokens=4, request_id="E2")
+    output = h.schedule()
+    assert output.num_scheduled_tokens.get("E2"), "admitted, its import landing on the device"
+    assert calls == ["walk"], f"lease attempts in E2's admission: {calls}"
+    assert not any(r.on_host for r in load_rows(output, "E2")), "no lease: nothing lands on the host"
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+    h.run_until_done()
+    h.hisparse.check_ownership()

@@ -570,7 +570,8 @@ class Admissions:
         hit's sparse-MLA groups gain null placeholders for them, and the request takes a
         hot lease and starts NONE. The connector writes those pages into the host pool
         (`host_landing`); the indexer's pages land on the device. Without room in the
-        host pool or for a lease, the import lands on the device. No allocation here
+        host pool or for a lease, the import lands on the device (a lease the same step's
+        walk found no room for is not asked for again). No allocation here
         can evict a page another pending admission will read: those are retained.
         """
         if not self._plans_issued() or num_local_tokens % self.block_size:
@@ -587,10 +588,13 @@ class Admissions:
             return new_computed_blocks, num_external_tokens
         if self.host_pool.num_available < len(positions):
             return new_computed_blocks, num_external_tokens
-        if not record.lease:
+        if not record.lease and not record.no_lease:
             record.lease = self._take_lease(request)
-            if not record.lease:
-                return new_computed_blocks, num_external_tokens
+            record.no_lease = not record.lease
+        if not record.lease:
+            # No room for the lease in this step (found by the walk, or now): the import
+            # lands on the device, as upstream's.
+            return new_computed_blocks, num_external_tokens
         for position in positions:
             record.host_pages[position] = HostPage(self.host_pool.allocate())
             record.landed.add(position)
