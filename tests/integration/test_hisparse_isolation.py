@@ -22,7 +22,7 @@ import random
 
 import pytest
 import tiny_models
-from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
+from scheduler_harness import HISPARSE, SchedulerHarness, record_lease_attempts, tiny_glm5_dir
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import COMPLETE_MARKER
@@ -502,21 +502,8 @@ def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_
     mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids("D1")[g]}
     h.run_until_done()
     h.kv_cache_manager.evict_blocks(mla_blocks)
-    admissions = h.hisparse.admissions
-    calls: list[str] = []
-    room, take = admissions._room_for_lease, admissions._take_lease
-
-    def counted_room(request):
-        calls.append("walk")
-        return room(request)
-
-    def counted_take(request):
-        calls.append("lease")
-        return take(request)
-
     next_turn_without_room_for_a_lease(h, monkeypatch, "D1", 9, "D2")
-    monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
-    monkeypatch.setattr(admissions, "_take_lease", counted_take)
+    calls = record_lease_attempts(monkeypatch, h.hisparse.admissions)
     while "D2" not in h.hisparse.residency.requests:
         admitted = h.step()
     assert admitted.new_request_cached_tokens["D2"] == 0, "no lease: recomputed"

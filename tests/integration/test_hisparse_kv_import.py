@@ -29,7 +29,7 @@ import os
 
 import pytest
 import tiny_models
-from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
+from scheduler_harness import HISPARSE, SchedulerHarness, record_lease_attempts, tiny_glm5_dir
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import (
@@ -336,23 +336,11 @@ def test_an_import_after_a_walk_that_found_no_room_for_a_lease_does_not_ask_agai
     pool = h.hisparse.residency.host_pool
     assert pool.lookup(h.requests["E1"].block_hashes[0]) is not None, "the host pool holds E1"
     admissions = h.hisparse.admissions
-    calls: list[str] = []
-    room, take = admissions._room_for_lease, admissions._take_lease
-
-    def counted_room(request):
-        calls.append("walk")
-        return room(request)
-
-    def counted_take(request):
-        calls.append("lease")
-        return take(request)
-
     monkeypatch.setattr(admissions, "_lease_blocks_for", lambda request: h.block_pool.num_gpu_blocks + 1)
     # Another request runs, so E2's hit is not capped as a lone request's is.
     h.add_request(prompt(4, 100), max_tokens=60, request_id="E-other")
     h.step()
-    monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
-    monkeypatch.setattr(admissions, "_take_lease", counted_take)
+    calls = record_lease_attempts(monkeypatch, admissions)
     turn = [*history, *prompt(3, 60)]
     assert store(h, turn) > len(history) // BLOCK * BLOCK, "the import covers the history"
     h.add_request(turn, max_tokens=4, request_id="E2")

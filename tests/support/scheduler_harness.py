@@ -592,3 +592,22 @@ def kv_cache_config_summary(config: KVCacheConfig) -> list[tuple[list[str], type
         spec = group.kv_cache_spec
         summary.append((list(group.layer_names), type(spec), spec.page_size_bytes, spec.block_size))
     return summary
+
+
+def record_lease_attempts(monkeypatch, admissions) -> list[str]:
+    """From now on, each hot-lease attempt of `admissions`, in order: "walk" for the walk's
+    room check at a hit's first host page, "lease" for taking a lease."""
+    attempts: list[str] = []
+    room, take = admissions._room_for_lease, admissions._take_lease
+
+    def counted_room(request):
+        attempts.append("walk")
+        return room(request)
+
+    def counted_take(request):
+        attempts.append("lease")
+        return take(request)
+
+    monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
+    monkeypatch.setattr(admissions, "_take_lease", counted_take)
+    return attempts
