@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from vllm.v1.hisparse.kv_grouping import choose_mla_group_count, relative_capacity
+from vllm.config.hisparse import FP8_SPARSE_MLA_BYTES_PER_TOKEN, SPARSE_MLA_PAGE_TOKENS
+from vllm.v1.hisparse.capacity import planner
+from vllm.v1.hisparse.kv_grouping import (
+    choose_mla_group_count,
+    choose_resident_block_multiple,
+    page_layout_capacity,
+    relative_capacity,
+)
 
 # GLM-5 / DeepSeek-V3.2 sizes: 61 layers, bf16 latent 576 x 64 tokens per page,
 # indexer 132 bytes x 64 tokens per page and layer.
@@ -56,3 +63,48 @@ def test_the_choice_is_the_best_one_that_keeps_latent_rows_whole(layers, residen
             assert relative_capacity(other, layers, REAL_MLA_PAGE, resident) <= relative_capacity(
                 k, layers, REAL_MLA_PAGE, resident
             )
+
+
+# ----------------------------------------------------------------------------- the page layout
+
+
+def glm53_widths() -> tuple[int, int, int]:
+    """GLM-5.3's sparse-MLA layers, and the page widths of all of them and of the resident
+    group (its indexer layers plus the MTP layer's latent and indexer), fp8 KV."""
+    config = planner.glm53_preset_config()
+    layers = config["num_hidden_layers"]
+    hf = type("HF", (), config)
+    indexers = sum(planner.layer_has_indexer(hf, i) for i in range(layers))
+    latent = FP8_SPARSE_MLA_BYTES_PER_TOKEN * SPARSE_MLA_PAGE_TOKENS
+    indexer = 132 * SPARSE_MLA_PAGE_TOKENS  # fp8 keys and one float32 scale per 128 values
+    return layers, layers * latent, (indexers + 1) * indexer + latent
+
+
+def test_the_page_layout_keeps_more_capacity_than_the_groups_for_glm_5_3():
+    layers, mla_width, resident_width = glm53_widths()
+    m = choose_resident_block_multiple(mla_width, resident_width)
+    assert m == 14, "a resident block holds 14 pages of the indexer and MTP layers"
+    assert m * resident_width <= mla_width < (m + 1) * resident_width
+    page = page_layout_capacity(m, mla_width, resident_width)
+    k = choose_mla_group_count(layers, mla_width // layers, resident_width)
+    assert page == pytest.approx(0.998, abs=1e-3)
+    assert page > relative_capacity(k, layers, mla_width // layers, resident_width)
+
+
+@pytest.mark.parametrize(("layers", "resident"), GROUPABLE)
+def test_the_page_layouts_multiple_is_the_best_and_the_finest_of_equals(layers, resident):
+    mla_width = layers * REAL_MLA_PAGE
+    m = choose_resident_block_multiple(mla_width, resident)
+    best = page_layout_capacity(m, mla_width, resident)
+    for other in range(1, 4 * m + 4):
+        capacity = page_layout_capacity(other, mla_width, resident)
+        assert capacity <= best
+        if other < m:
+            assert capacity < best, "a finer resident block with the same capacity is chosen"
+    if mla_width >= 8 * resident:
+        assert best > 0.95, "a wide sparse-MLA group wastes little"
+
+
+def test_a_resident_group_wider_than_the_sparse_mla_one_gets_one_page_blocks():
+    assert choose_resident_block_multiple(REAL_MLA_PAGE, 3 * REAL_MLA_PAGE) == 1
+    assert page_layout_capacity(1, REAL_MLA_PAGE, 3 * REAL_MLA_PAGE) == pytest.approx(4 / 6)

@@ -32,6 +32,7 @@ It never allocates memory; it only returns group specs and block counts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -110,11 +111,11 @@ def choose_mla_group_count(num_mla_layers: int, mla_page: int, resident_width: i
     return max(candidates, key=lambda k: (relative_capacity(k, num_mla_layers, mla_page, resident_width), -k))
 
 
-def hisparse_kv_cache_groups(
+def _hisparse_layers(
     vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
-) -> list[KVCacheGroupSpec] | None:
-    """HiSparse's groups for a DSA model, or None to let upstream group as usual
-    (HiSparse off, or its residency plans cannot run on this platform)."""
+) -> tuple[list[str], list[str], list[str]] | None:
+    """The sparse-MLA layers HiSparse moves, the resident layers (indexer layers, then an
+    MTP drafter's layers) and the drafter's layers; None when HiSparse does not group."""
     if not hisparse_active(vllm_config) or not kv_cache_spec:
         return None
     indexer = [name for name in kv_cache_spec if name.endswith(INDEXER_LAYER_SUFFIX)]
@@ -134,6 +135,32 @@ def hisparse_kv_cache_groups(
     drafter = drafter_layer_names(vllm_config, list(kv_cache_spec))
     mla = [name for name in mla if name not in drafter]
     resident = indexer + [name for name in drafter if name not in indexer]
+    return mla, resident, drafter
+
+
+def _resident_group(
+    kv_cache_spec: dict[str, KVCacheSpec], resident: list[str], drafter: list[str]
+) -> list[KVCacheGroupSpec]:
+    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
+
+    if not drafter:
+        return create_kv_cache_group_specs(kv_cache_spec, [resident])
+    # The drafter's sparse-MLA and indexer layers differ in width: one group of uniform type.
+    resident_spec = UniformTypeKVCacheSpecs.from_specs({name: kv_cache_spec[name] for name in resident})
+    if resident_spec is None:
+        raise ValueError(f"hisparse_config: the indexer and MTP drafter layers {drafter} cannot be grouped")
+    return [KVCacheGroupSpec(resident, resident_spec)]
+
+
+def hisparse_kv_cache_groups(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec] | None:
+    """HiSparse's groups for a DSA model, or None to let upstream group as usual
+    (HiSparse off, or its residency plans cannot run on this platform)."""
+    layers = _hisparse_layers(vllm_config, kv_cache_spec)
+    if layers is None:
+        return None
+    mla, resident, drafter = layers
     mla_page = kv_cache_spec[mla[0]].page_size_bytes
     resident_width = sum(kv_cache_spec[name].page_size_bytes for name in resident)
     k = choose_mla_group_count(len(mla), mla_page, resident_width)
@@ -149,13 +176,60 @@ def hisparse_kv_cache_groups(
     )
     from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
 
-    if not drafter:
-        return create_kv_cache_group_specs(kv_cache_spec, [*grouped, resident])
-    # The drafter's sparse-MLA and indexer layers differ in width: one group of uniform type.
-    resident_spec = UniformTypeKVCacheSpecs.from_specs({name: kv_cache_spec[name] for name in resident})
-    if resident_spec is None:
-        raise ValueError(f"hisparse_config: the indexer and MTP drafter layers {drafter} cannot be grouped")
-    return [*create_kv_cache_group_specs(kv_cache_spec, grouped), KVCacheGroupSpec(resident, resident_spec)]
+    return [
+        *create_kv_cache_group_specs(kv_cache_spec, grouped),
+        *_resident_group(kv_cache_spec, resident, drafter),
+    ]
+
+
+# -- the page layout (scheduler side only; see docs/architecture.md, "The page layout") --
+
+
+def page_layout_capacity(multiple: int, mla_width: int, resident_width: int) -> float:
+    """Pages per byte in the page layout, relative to one group for everything.
+
+    One sparse-MLA group holds every sparse-MLA layer, one block per page
+    (`mla_width` bytes); the resident group's block holds `multiple` pages of the
+    resident layers (`resident_width` bytes each). Both groups' blocks take the
+    wider of the two, so a page costs 1 + 1/multiple blocks.
+    """
+    block = max(mla_width, multiple * resident_width)
+    return (mla_width + resident_width) / ((1 + 1 / multiple) * block)
+
+
+def choose_resident_block_multiple(mla_width: int, resident_width: int) -> int:
+    """Pages per resident block in the page layout: the most capacity, the finer on a tie
+    (a resident block is the granularity of the resident group's prefix hits)."""
+    upper = max(1, -(-mla_width // resident_width))
+    return max(range(1, upper + 1), key=lambda m: (page_layout_capacity(m, mla_width, resident_width), -m))
+
+
+def page_layout_kv_cache_groups(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec] | None:
+    """The page layout's groups: every sparse-MLA layer in one group, one block per page
+    (so a page is one block, allocated, cached and freed once), and the resident layers
+    in one group whose blocks hold `choose_resident_block_multiple` pages each, so both
+    groups' blocks are about as wide and share the one pool at any ratio.
+
+    The scheduler runs on these groups (the capacity simulator projects the layout with
+    them); the workers do not lay the KV cache out for them yet, and HiSparse's host
+    prefix walk and block arithmetic still assume one block per page in every group.
+    """
+    layers = _hisparse_layers(vllm_config, kv_cache_spec)
+    if layers is None:
+        return None
+    mla, resident, drafter = layers
+    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
+
+    mla_width = sum(kv_cache_spec[name].page_size_bytes for name in mla)
+    resident_width = sum(kv_cache_spec[name].page_size_bytes for name in resident)
+    multiple = choose_resident_block_multiple(mla_width, resident_width)
+    coarse = {
+        name: dataclasses.replace(spec, block_size=spec.block_size * multiple) if name in resident else spec
+        for name, spec in kv_cache_spec.items()
+    }
+    return [*create_kv_cache_group_specs(coarse, [mla]), *_resident_group(coarse, resident, drafter)]
 
 
 def hisparse_device_blocks_per_request(vllm_config: VllmConfig, groups: list[KVCacheGroupSpec]) -> int:

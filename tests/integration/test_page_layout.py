@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The page layout's KV cache groups under vLLM's real scheduler (no pressure).
+
+One sparse-MLA group holds every sparse-MLA layer, so a page is one block; the
+resident group's blocks hold several pages. benchmarks/page_layout.py measures
+what that saves the scheduler; these tests hold that the real scheduler and
+HiSparse's ownership check run on those groups, and that the block pool's work
+per page falls as the benchmark counts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import sys
+
+import pytest
+import scheduler_harness as sh
+
+from vllm.v1.hisparse.kv_grouping import (
+    INDEXER_LAYER_SUFFIX,
+    choose_resident_block_multiple,
+    hisparse_managed_group_ids,
+)
+
+sys.path.insert(0, str(sh.REPO / "benchmarks"))
+import page_layout
+
+HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05}}
+PAGE = 64
+
+
+def harness(layout: str) -> sh.SchedulerHarness:
+    with page_layout.layout(layout):
+        return sh.SchedulerHarness.create(
+            num_blocks=600, attention_config=HISPARSE, max_num_batched_tokens=256, max_num_seqs=8
+        )
+
+
+def test_the_page_layout_is_one_sparse_mla_group_and_a_resident_group_of_wider_blocks():
+    h = harness("page")
+    groups = h.kv_cache_config.kv_cache_groups
+    assert len(groups) == 2
+    mla, resident = groups
+    assert hisparse_managed_group_ids(groups) == (0,)
+    assert mla.layer_names == [n for n in h.specs if not n.endswith(INDEXER_LAYER_SUFFIX)]
+    assert resident.layer_names == [n for n in h.specs if n.endswith(INDEXER_LAYER_SUFFIX)]
+    widths = [sum(h.specs[n].page_size_bytes for n in g.layer_names) for g in groups]
+    m = choose_resident_block_multiple(*widths)
+    assert m > 1
+    assert mla.kv_cache_spec.block_size == PAGE
+    assert resident.kv_cache_spec.block_size == m * PAGE
+    assert resident.kv_cache_spec.page_size_bytes <= mla.kv_cache_spec.page_size_bytes
+
+
+LENGTHS = (150, 300, 70, 500, 640)
+MAX_TOKENS = 24
+PAGES = [-(-(n + MAX_TOKENS) // PAGE) for n in LENGTHS]  # each request's pages at its end
+
+
+def run(layout: str) -> tuple[sh.SchedulerHarness, collections.Counter[str]]:
+    """Five requests of one seed to the end, counting the block pool's work."""
+    h = harness(layout)
+    rng = random.Random(3)
+    for n in LENGTHS:
+        h.add_request([rng.randrange(1, 1000) for _ in range(n)], MAX_TOKENS)
+    counts: collections.Counter[str] = collections.Counter()
+    with page_layout.counting(counts):
+        observations = h.run_until_done(max_steps=300)
+    assert observations[-1].total_preemptions == 0
+    assert all(len(r.output_token_ids) == MAX_TOKENS for r in h.requests.values())
+    return h, counts
+
+
+def test_requests_finish_in_the_page_layout_with_a_block_per_page_instead_of_one_per_group():
+    groups, group_counts = run("groups")
+    page, page_counts = run("page")
+    num_groups = len(groups.kv_cache_config.kv_cache_groups)
+    assert num_groups > 2
+    assert group_counts["blocks allocated"] >= num_groups * sum(PAGES)
+    m = page.kv_cache_config.kv_cache_groups[1].kv_cache_spec.block_size // PAGE
+    # A page is one sparse-MLA block; each request's resident blocks cover its pages m at a time.
+    assert page_counts["blocks allocated"] == sum(PAGES) + sum(-(-n // m) for n in PAGES)
+    assert page_counts["blocks allocated"] * (num_groups - 1) < group_counts["blocks allocated"]
+
+
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_a_repeated_prompt_hits_the_prefix_cache_at_the_resident_blocks_granularity(layout):
+    h = harness(layout)
+    rng = random.Random(5)
+    tokens = [rng.randrange(1, 1000) for _ in range(1000)]
+    h.add_request(tokens, 4)
+    h.run_until_done(max_steps=100)
+    h.add_request(tokens, 4, request_id="again")
+    hit = h.step().new_request_cached_tokens["again"]
+    resident = h.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
+    assert hit == (len(tokens) - 1) // resident * resident
+    assert hit > 0
