@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The page layout's KV cache groups under vLLM's real scheduler (no pressure).
+"""The page layout's KV cache groups under vLLM's real scheduler and HiSparse's.
 
 One sparse-MLA group holds every sparse-MLA layer, so a page is one block; the
 resident group's blocks hold several pages. benchmarks/page_layout.py measures
 what that saves the scheduler; these tests hold that the real scheduler and
-HiSparse's ownership check run on those groups, and that the block pool's work
-per page falls as the benchmark counts it.
+HiSparse's ownership check run on those groups, that the block pool's work per
+page falls as the benchmark counts it, and that prefix hits (the device's and
+the host prefix walk's) grow a whole resident block at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 import scheduler_harness as sh
+import tiny_models
 
 from vllm.v1.hisparse.kv_grouping import (
     INDEXER_LAYER_SUFFIX,
@@ -96,3 +98,43 @@ def test_a_repeated_prompt_hits_the_prefix_cache_at_the_resident_blocks_granular
     resident = h.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
     assert hit == (len(tokens) - 1) // resident * resident
     assert hit > 0
+
+
+SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", index_topk=32, num_hidden_layers=6)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 3000 + 10 for i in range(length)]
+
+
+def test_a_history_only_the_host_pool_holds_comes_back_a_whole_resident_block_at_a_time():
+    """A finished request's 640-token prefix (ten pages) whose sparse-MLA blocks left the
+    device prefix cache, its resident blocks still cached there and its pages in the host
+    pool: the next request's walk takes the host pages of every whole resident block the
+    device caches (one: pages 0-7), and recomputes the rest."""
+    with page_layout.layout("page"):
+        h = sh.SchedulerHarness.create(
+            model=sh.tiny_glm5_dir(SIX_LAYERS), memory_bytes=64 << 20, attention_config=HISPARSE
+        )
+    resident = h.kv_cache_config.kv_cache_groups[1].kv_cache_spec.block_size
+    m = resident // PAGE
+    assert m == 8, "six sparse-MLA layers against six indexer layers"
+    shared = prompt(3, 640)
+    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
+    h.step()
+    mla_blocks = set(h.block_ids(first.request_id)[0])
+    h.run_until_done(max_steps=100)
+    # vLLM caches a hybrid layout's blocks up to a whole resident block (hits end on one), so
+    # only the first eight pages count as complete, and only they are copied.
+    assert h.hisparse.stats()["pages_copied_to_host"] == m
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+
+    second = h.add_request(shared + prompt(5, 30), max_tokens=8)
+    admitted = h.step()
+    assert admitted.new_request_cached_tokens[second.request_id] == m * PAGE
+    assert admitted.num_scheduled_tokens[second.request_id] == 670 - m * PAGE
+    assert admitted.hisparse_states[second.request_id] == "none"
+    h.run_until_done(max_steps=100)
+    stats = h.hisparse.stats()
+    assert stats["host_prefix_pages_reused"] == m and stats["hot_leases"] == 1
+    assert h.total_preemptions == 0

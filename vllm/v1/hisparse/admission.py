@@ -273,6 +273,12 @@ class Admissions:
         mla_ids, other_ids = self.blocks.mla_group_ids, self.blocks.other_group_ids
         start = num_tokens // self.block_size
         max_pages = (request.num_tokens - 1) // self.block_size
+        # The page layout's resident blocks hold m pages each: the hit grows and ends a whole
+        # resident block at a time (upstream's device hit ends on one).
+        m = self.blocks.resident_multiple
+        if start % m:
+            return blocks, num_tokens
+        max_pages -= (max_pages - start) % m if max_pages > start else 0
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
         other_page, mla_page = self.blocks.page_lookup(other_ids), self.blocks.page_lookup(mla_ids)
@@ -282,7 +288,8 @@ class Admissions:
             if position >= max_pages:
                 return False
             block_hash = request.block_hashes[position]
-            return other_page(block_hash) is not None and (
+            first = position - (position - start) % m
+            return other_page(request.block_hashes[first + m - 1]) is not None and (
                 mla_page(block_hash) is not None or self.host_pool.lookup(block_hash) is not None
             )
 
@@ -291,9 +298,14 @@ class Admissions:
         no_lease_at: int | None = None
         for position in range(start, max_pages):
             block_hash = request.block_hashes[position]
-            other = other_page(block_hash)
-            if other is None:
-                break  # the indexer K cache of this page is gone: recompute from here
+            if (position - start) % m == 0:
+                # The other groups' blocks of the resident block starting here (the hash of
+                # its last page names it), none for the pages inside it.
+                other = other_page(request.block_hashes[position + m - 1])
+                if other is None:
+                    break  # the indexer K cache of this page is gone: recompute from here
+            else:
+                other = []
             mla = mla_page(block_hash)
             if capped:
                 room -= sum(b.ref_cnt == 0 for b in other)
@@ -325,6 +337,13 @@ class Admissions:
                         break
                 host_pages[PageIndex(position)] = host_page
             pages.append((mla, other))
+        if len(pages) % m:
+            # Only whole resident blocks: the pages of a block the walk did not finish go.
+            self._unguard(record, pages[len(pages) - len(pages) % m :])
+            for position in range(start + len(pages) - len(pages) % m, start + len(pages)):
+                host_pages.pop(PageIndex(position), None)
+            del pages[len(pages) - len(pages) % m :]
+            guarded = min(guarded, len(pages))
         if no_lease_at is not None:
             # The copies the request wants stay the most recently used, as if taken and
             # given back; its hit is the pages before them (each cached in every group).
@@ -332,11 +351,19 @@ class Admissions:
             return self._extension(blocks, num_tokens, pages)
         if pages and self.blocks.use_eagle:
             # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
-            # the hidden states it drafts from (the device hit already dropped one).
-            pages.pop()
-            dropped = host_pages.pop(PageIndex(start + len(pages)), None)
-            if dropped is not None:
-                self.host_pool.touch((dropped,))
+            # the hidden states it drafts from (the device hit already dropped one; in the
+            # page layout, a whole resident block).
+            if m > 1:
+                self._unguard(record, pages[-m:])
+            del pages[-m:]
+            guarded = min(guarded, len(pages))
+            dropped = [
+                host_pages.pop(PageIndex(p))
+                for p in range(start + len(pages), start + len(pages) + m)
+                if PageIndex(p) in host_pages
+            ]
+            if dropped:
+                self.host_pool.touch(dropped)
         # The extension's device blocks are guarded with the hit before a lease is taken.
         record.hit += [b for mla, other in pages[guarded:] for b in (mla or []) + other]
         if host_pages:
@@ -355,6 +382,7 @@ class Admissions:
             # Without host pages only the pages every group still caches count (with a
             # drafter, the device hit's dropped page can be one).
             kept = list(itertools.takewhile(lambda page: page[0] is not None, pages))
+            del kept[len(kept) - len(kept) % m :]
             if len(kept) < len(pages):
                 unused = {b.block_id for mla, other in pages[len(kept) :] for b in (mla or []) + other}
                 record.hit = [b for b in record.hit if b.block_id not in unused]
@@ -363,6 +391,15 @@ class Admissions:
                 return blocks, num_tokens
         record.host_pages = host_pages
         return self._extension(blocks, num_tokens, pages)
+
+    @staticmethod
+    def _unguard(
+        record: PendingAdmission, pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]]
+    ) -> None:
+        """The hit's guard no longer covers these pages' device blocks (the hit ends before them)."""
+        unused = {b.block_id for mla, other in pages for b in (mla or []) + other}
+        if unused:
+            record.hit = [b for b in record.hit if b.block_id not in unused]
 
     def _extension(
         self,
@@ -379,7 +416,7 @@ class Admissions:
         for i, g in enumerate(self.blocks.mla_group_ids):
             columns[g] = [mla[i] if mla is not None else null for mla, _ in pages]
         for i, g in enumerate(self.blocks.other_group_ids):
-            columns[g] = [other[i] for _, other in pages]
+            columns[g] = [other[i] for _, other in pages if other]
         return self.blocks.with_columns(blocks, columns), num_tokens + len(pages) * self.block_size
 
     def _room_for_lease(self, request: Request) -> bool:
@@ -409,8 +446,8 @@ class Admissions:
         leave."""
         tokens = min(self.chunk_tokens, request.num_tokens) + self.lookahead_tokens
         chunk_pages = max(3, -(-tokens // self.block_size) + 1)
-        num_groups = len(self.blocks.mla_group_ids) + len(self.blocks.other_group_ids)
-        return self.blocks.num_free_blocks() - chunk_pages * num_groups - self._lease_blocks_for(request)
+        chunk_blocks = self.blocks.blocks_for_pages(0, chunk_pages)
+        return self.blocks.num_free_blocks() - chunk_blocks - self._lease_blocks_for(request)
 
     def _cap_device_hit(
         self, blocks: KVCacheBlocks, num_tokens: int, room: int
@@ -494,15 +531,16 @@ class Admissions:
             # Alone, the load's blocks (the connector's groups, every page) and any restore
             # must leave the chunk after it its blocks, as a device hit does.
             num_other = len(self.blocks.other_group_ids)
+            m = self.blocks.resident_multiple
             room = self.room_when_alone(request) - sum(b.ref_cnt == 0 for b in record.hit)
-            affordable = max(room, 0) // num_other if num_other else len(hit)
+            affordable = max(room, 0) // num_other * m if num_other else len(hit)
             if len(hit) > affordable:
                 num_external_tokens = self._cut_hit(
                     hit, num_local_tokens, num_local_tokens + affordable * self.block_size
                 )
                 if not num_external_tokens:
                     return new_computed_blocks, 0
-            room -= len(hit) * num_other
+            room -= -(-len(hit) // m) * num_other
             restore_blocks = len(hit) * len(self.blocks.mla_group_ids)
         if not record.host_pages and self.residency.mode == "hybrid" and restore_blocks <= room:
             record.restores = self._retained(hit)

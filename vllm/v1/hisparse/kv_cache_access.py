@@ -49,6 +49,17 @@ class KVCacheBlockAccess:
         self._mla = [self._groups[g] for g in mla_group_ids]
         self.mla_group_ids = tuple(mla_group_ids)
         self.other_group_ids = tuple(other_group_ids)
+        # Pages per block of the other groups: 1, but for the page layout's resident group
+        # (docs/architecture.md, "The page layout").
+        page = self._mla[0].block_size
+        multiples = {self._groups[g].block_size // page for g in other_group_ids}
+        if len(multiples) != 1 or any(self._groups[g].block_size % page for g in other_group_ids):
+            raise ValueError(
+                "Hybrid HiSparse: the groups outside the sparse-MLA ones need one block size, "
+                f"a multiple of the sparse-MLA page ({page} tokens); got "
+                f"{[self._groups[g].block_size for g in other_group_ids]}"
+            )
+        self.resident_multiple = multiples.pop()
         self.null_block = self._pool.null_block
         self.null_block_id = BlockId(self.null_block.block_id)
         # A demoted page's entries, one per sparse-MLA group.
@@ -258,12 +269,21 @@ class KVCacheBlockAccess:
         """The request's blocks of one page, one per sparse-MLA group (the null block for HOST)."""
         return tuple(BlockId(m.req_to_blocks[request_id][position].block_id) for m in self._mla)
 
+    def blocks_for_pages(self, first: int, end: int) -> int:
+        """Blocks that pages [first, end) take in every group, the pages before `first` held:
+        one per page in each sparse-MLA group, and in each other group one per block of
+        `resident_multiple` pages they start."""
+        m = self.resident_multiple
+        resident = -(-end // m) - -(-first // m) if m > 1 else end - first
+        return (end - first) * len(self.mla_group_ids) + resident * len(self.other_group_ids)
+
     def history_block_ids(self, request_id: str, num_pages: int) -> list[int]:
         """The request's first `num_pages` pages' blocks in the groups outside the sparse-MLA
         ones (the indexer's, an MTP drafter's) that the prefix cache holds."""
         ids = []
+        num_blocks = -(-num_pages // self.resident_multiple)
         for group_id in self.other_group_ids:
-            for block in self._groups[group_id].req_to_blocks.get(request_id, ())[:num_pages]:
+            for block in self._groups[group_id].req_to_blocks.get(request_id, ())[:num_blocks]:
                 if not block.is_null and block.block_hash is not None:
                     ids.append(block.block_id)
         return ids

@@ -182,7 +182,7 @@ def hisparse_kv_cache_groups(
     ]
 
 
-# -- the page layout (scheduler side only; see docs/architecture.md, "The page layout") --
+# -- the page layout (the scheduler's side; docs/architecture.md, "The page layout") --
 
 
 def page_layout_capacity(multiple: int, mla_width: int, resident_width: int) -> float:
@@ -212,9 +212,9 @@ def page_layout_kv_cache_groups(
     in one group whose blocks hold `choose_resident_block_multiple` pages each, so both
     groups' blocks are about as wide and share the one pool at any ratio.
 
-    The scheduler runs on these groups (the capacity simulator projects the layout with
-    them); the workers do not lay the KV cache out for them yet, and HiSparse's host
-    prefix walk and block arithmetic still assume one block per page in every group.
+    The scheduler, HiSparse's scheduling included, runs on these groups (the capacity
+    simulator projects the layout with them); the workers do not lay the KV cache out
+    for them yet, so no `hisparse_config` field chooses them.
     """
     layers = _hisparse_layers(vllm_config, kv_cache_spec)
     if layers is None:

@@ -135,8 +135,11 @@ class HiSparseScheduling:
         # Blocks left free for the rest of a step when staging takes more than its budget:
         # every group's blocks for a step's whole token budget, and one hot lease.
         self._step_reserve = (
-            vllm_config.scheduler_config.max_num_batched_tokens // self.block_size + 1
-        ) * len(groups) + self.residency.hot_lease_blocks
+            self.blocks.blocks_for_pages(
+                0, vllm_config.scheduler_config.max_num_batched_tokens // self.block_size + 1
+            )
+            + self.residency.hot_lease_blocks
+        )
         self.max_model_len = vllm_config.model_config.max_model_len
         self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
         self.num_groups = len(groups)
@@ -294,7 +297,7 @@ class HiSparseScheduling:
             return num_new_tokens
         # The chunk's own new blocks: a page more than it spans, in every group.
         end = -(-(num_computed_tokens + num_new_tokens) // self.block_size)
-        own_blocks = (end - num_computed_tokens // self.block_size + 1) * self.num_groups
+        own_blocks = self.blocks.blocks_for_pages(num_computed_tokens // self.block_size, end + 1)
         short = own_blocks - self.blocks.num_free_blocks()
         if short > 0:
             self._relieve(short)
