@@ -51,14 +51,10 @@ NO_PRESSURE_BYTES = 900 << 30
 @contextlib.contextmanager
 def layout(name: str) -> Iterator[None]:
     """The KV cache groups vLLM's start-up sizing and the scheduler get: HiSparse's
-    (`groups`) or the page layout's (`page`)."""
-    if name == "groups":
-        yield
-        return
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.hisparse.kv_grouping import page_layout_kv_cache_groups
+    (`groups`) or the page layout's (`page`), as `simulate --kv-layout` chooses them."""
+    from vllm.v1.hisparse.kv_grouping import kv_layout
 
-    with mock.patch.object(kv_cache_utils, "hisparse_kv_cache_groups", page_layout_kv_cache_groups):
+    with kv_layout(name):
         yield
 
 

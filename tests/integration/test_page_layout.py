@@ -12,6 +12,7 @@ the host prefix walk's) grow a whole resident block at a time.
 from __future__ import annotations
 
 import collections
+import json
 import random
 import sys
 
@@ -138,3 +139,74 @@ def test_a_history_only_the_host_pool_holds_comes_back_a_whole_resident_block_at
     stats = h.hisparse.stats()
     assert stats["host_prefix_pages_reused"] == m and stats["hot_leases"] == 1
     assert h.total_preemptions == 0
+
+
+def test_the_simulator_runs_the_page_layout_when_asked_and_says_so(tmp_path, monkeypatch):
+    from vllm.v1.hisparse import kv_grouping
+    from vllm.v1.hisparse.capacity.simulate import main
+
+    calls = []
+    page_groups = kv_grouping.page_layout_kv_cache_groups
+
+    def spy(vllm_config, kv_cache_spec):
+        groups = page_groups(vllm_config, kv_cache_spec)
+        if groups is not None:  # None where HiSparse is off (the planner's other configurations)
+            calls.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(kv_grouping, "page_layout_kv_cache_groups", spy)
+    argv = ["--model", "glm-5.3", "-tp", "8", "--workload", "openhands", "--concurrency", "2", "--turns", "2"]
+    argv += ["--jobs", "1"]
+    results = {}
+    for layout in ("groups", "page"):
+        out = tmp_path / f"{layout}.json"
+        assert (
+            main(
+                [
+                    *argv,
+                    "--configs",
+                    "hybrid",
+                    "--kv-layout",
+                    layout,
+                    "--format",
+                    "json",
+                    "--output",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+        results[layout] = json.loads(out.read_text())
+        if layout == "groups":
+            assert not calls, "HiSparse's own groups unless the page layout is asked for"
+    assert calls and set(calls) == {2}, "one sparse-MLA group and the resident group"
+    assert kv_grouping._kv_layout == "groups", "the choice ends with the run"
+    assert [r["kv_layout"] for r in results.values()] == ["groups", "page"]
+    for result in results.values():
+        (record,) = result["records"]
+        assert record["sessions_completed"] == 2 and record["requests_failed"] == 0
+    text = tmp_path / "page.md"
+    assert (
+        main(
+            [
+                *argv,
+                "--configs",
+                "hybrid",
+                "--kv-layout",
+                "page",
+                "--format",
+                "markdown",
+                "--output",
+                str(text),
+            ]
+        )
+        == 0
+    )
+    assert text.read_text().startswith("KV cache layout: page")
+
+
+def test_an_unknown_kv_layout_is_refused():
+    from vllm.v1.hisparse.kv_grouping import kv_layout
+
+    with pytest.raises(ValueError, match="choose from groups, page"), kv_layout("pages"):
+        pass

@@ -32,10 +32,11 @@ It never allocates memory; it only returns group specs and block counts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from vllm.config.hisparse import (
@@ -152,11 +153,33 @@ def _resident_group(
     return [KVCacheGroupSpec(resident, resident_spec)]
 
 
+# The grouping HiSparse gives vLLM: its k sparse-MLA groups ("groups"), or the page layout
+# ("page"), which only the capacity simulator chooses (`simulate --kv-layout page`) until
+# the workers lay the KV cache out for it.
+KV_LAYOUTS = ("groups", "page")
+_kv_layout = "groups"
+
+
+@contextlib.contextmanager
+def kv_layout(name: str) -> Iterator[None]:
+    """Within the block, `hisparse_kv_cache_groups` gives the `name` layout's groups."""
+    global _kv_layout
+    if name not in KV_LAYOUTS:
+        raise ValueError(f"KV cache layout {name!r}: choose from {', '.join(KV_LAYOUTS)}")
+    previous, _kv_layout = _kv_layout, name
+    try:
+        yield
+    finally:
+        _kv_layout = previous
+
+
 def hisparse_kv_cache_groups(
     vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
 ) -> list[KVCacheGroupSpec] | None:
     """HiSparse's groups for a DSA model, or None to let upstream group as usual
     (HiSparse off, or its residency plans cannot run on this platform)."""
+    if _kv_layout == "page":
+        return page_layout_kv_cache_groups(vllm_config, kv_cache_spec)
     layers = _hisparse_layers(vllm_config, kv_cache_spec)
     if layers is None:
         return None
@@ -213,8 +236,8 @@ def page_layout_kv_cache_groups(
     groups' blocks are about as wide and share the one pool at any ratio.
 
     The scheduler, HiSparse's scheduling included, runs on these groups (the capacity
-    simulator projects the layout with them); the workers do not lay the KV cache out
-    for them yet, so no `hisparse_config` field chooses them.
+    simulator projects the layout with them: `kv_layout("page")`); the workers do not
+    lay the KV cache out for them yet, so no `hisparse_config` field chooses them.
     """
     layers = _hisparse_layers(vllm_config, kv_cache_spec)
     if layers is None:

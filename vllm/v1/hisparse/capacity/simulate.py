@@ -51,6 +51,7 @@ from vllm.v1.hisparse.capacity.step_model import (
     StepModel,
     load_constants,
 )
+from vllm.v1.hisparse.kv_grouping import KV_LAYOUTS, kv_layout
 from vllm.v1.hisparse.ownership import OwnershipError
 
 if TYPE_CHECKING:
@@ -765,12 +766,29 @@ def simulate(
     progress: Any = None,
     jobs: int = 1,
     check_ownership: bool = False,
+    layout: str = "groups",
 ) -> dict[str, Any]:
     """Every (workload, configuration, concurrency) record, and what they were run on: each
     workload at its own concurrencies. `jobs` > 1 runs simulations side by side in that
     many processes (each a scheduler of its own; the records are the same).
     `check_ownership`: check HiSparse's ownership invariant after every schedule() and
-    every output; a violation raises `OwnershipError`."""
+    every output; a violation raises `OwnershipError`. `layout`: HiSparse's KV cache
+    groups (`groups`) or the page layout (`page`, which the workers do not run yet)."""
+    with kv_layout(layout):
+        result = _simulate(request, runs, configs, constants, seed, progress, jobs, check_ownership)
+    return {**result, "kv_layout": layout}
+
+
+def _simulate(
+    request: planner.PlanRequest,
+    runs: Sequence[tuple[Workload, Sequence[int]]],
+    configs: Sequence[str],
+    constants: dict[str, float] | None,
+    seed: int,
+    progress: Any,
+    jobs: int,
+    check_ownership: bool,
+) -> dict[str, Any]:
     constants = constants or load_constants(None)
     plans = _PLANNED
     plans.clear()
@@ -865,6 +883,12 @@ def _cell(record: dict[str, Any], name: str, fmt: str) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
+    if result.get("kv_layout") == "page":
+        lines += [
+            "KV cache layout: page (one block per page; the scheduler's side only, which the "
+            'workers do not run yet: docs/architecture.md, "The page layout")',
+            "",
+        ]
     for workload in result["workloads"]:
         records = [r for r in result["records"] if r["workload"] == workload["name"]]
         lines.append(f"{workload['name']}:")
@@ -1004,6 +1028,14 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--png", type=Path, help="write the interactivity-throughput Pareto plot here")
     group.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        default="groups",
+        help="HiSparse's KV cache layout: its sparse-MLA groups (groups, what the engine runs), or "
+        "the page layout (page: one block per page; a projection of the scheduler's side, which "
+        'the workers do not run yet; docs/architecture.md, "The page layout")',
+    )
+    group.add_argument(
         "--check-ownership",
         action="store_true",
         help="check HiSparse's ownership invariant (every device block, host page and copy has "
@@ -1079,7 +1111,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         result = simulate(
-            request, runs, configs, constants, args.seed, progress, args.jobs, args.check_ownership
+            request,
+            runs,
+            configs,
+            constants,
+            args.seed,
+            progress,
+            args.jobs,
+            args.check_ownership,
+            args.kv_layout,
         )
     except planner.PlannerError as error:
         print(f"error: {error}", file=sys.stderr)
