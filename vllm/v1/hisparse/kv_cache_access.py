@@ -274,7 +274,7 @@ class KVCacheBlockAccess:
         one per page in each sparse-MLA group, and in each other group one per block of
         `resident_multiple` pages they start."""
         m = self.resident_multiple
-        resident = -(-end // m) - -(-first // m) if m > 1 else end - first
+        resident = -(-end // m) - -(-first // m)
         return (end - first) * len(self.mla_group_ids) + resident * len(self.other_group_ids)
 
     def history_block_ids(self, request_id: str, num_pages: int) -> list[int]:

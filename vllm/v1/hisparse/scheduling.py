@@ -142,7 +142,6 @@ class HiSparseScheduling:
         )
         self.max_model_len = vllm_config.model_config.max_model_len
         self.index_topk = int(vllm_config.model_config.hf_text_config.index_topk)
-        self.num_groups = len(groups)
         # Staging blocks leased for this step's chunks (request -> blocks, group-major),
         # until the plan is attached; then each plan's, by step, until its output comes back.
         self._staging: dict[str, list[BlockId]] = {}
