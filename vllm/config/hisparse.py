@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 HiSparseMode = Literal["hybrid", "always"]
+# How the KV cache is grouped with HiSparse on (vllm/v1/hisparse/kv_grouping.py): k
+# sparse-MLA groups plus the resident group ("groups"), or one sparse-MLA group plus a
+# resident group of m-page blocks ("page").
+HiSparseKVLayout = Literal["groups", "page"]
 
 GiB = 1 << 30
 # Page geometry of the sparse-MLA KV cache: the CUDA sparse-MLA backends of
@@ -108,6 +112,13 @@ class HiSparseConfig:
     proactive_copy: bool = True
     """Copy completed prefix pages of fully resident requests to the host pool
     ahead of pressure, so pressure can free them without waiting for a copy."""
+
+    kv_layout: HiSparseKVLayout = "groups"
+    """"groups": k sparse-MLA KV cache groups plus one resident group (indexer and MTP
+    layers), every group in 64-token blocks, so a page costs k + 1 blocks. "page": one
+    sparse-MLA group (a page is one block) plus a resident group whose blocks hold m
+    pages, which cuts the scheduler's per-block work several-fold at 32-64 long sessions
+    but hits a session's prefix only at whole resident blocks (m x 64 tokens)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
 
 
 class KVCacheBlockAccess:
@@ -287,6 +288,23 @@ class KVCacheBlockAccess:
                 if not block.is_null and block.block_hash is not None:
                     ids.append(block.block_id)
         return ids
+
+    def cache_pages(self, request: Request, num_tokens: int) -> None:
+        """Commit the request's complete sparse-MLA pages among its first `num_tokens` tokens
+        to the prefix cache, page by page.
+
+        Upstream commits a layout's blocks only up to a whole block of its coarsest group,
+        where any hit must end; in the page layout that would leave up to m - 1 complete
+        pages of every request out of the prefix cache, so residency could neither copy
+        nor demote them. Committing them costs nothing else: a hit still ends at a whole
+        resident block. A no-op where every group has one page per block."""
+        if self.resident_multiple == 1:
+            return
+        if self.use_eagle:
+            # Tokens a multi-module drafter may compute again are not final yet.
+            num_tokens -= self._manager.coordinator.num_reprefillable_tokens
+        for manager in self._mla:
+            manager.cache_blocks(request, num_tokens)
 
     def num_cached_pages(self, request_id: str) -> int:
         """Pages of the request every sparse-MLA group has committed to the prefix cache."""

@@ -37,11 +37,12 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from vllm.config.hisparse import (
     RESIDENT_TAIL_PAGES,
     SPARSE_MLA_PAGE_TOKENS,
+    HiSparseKVLayout,
     hisparse_active,
     host_pool_pages,
 )
@@ -49,6 +50,7 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
+    KVCacheTensor,
     MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -154,15 +156,16 @@ def _resident_group(
 
 
 # The grouping HiSparse gives vLLM: its k sparse-MLA groups ("groups"), or the page layout
-# ("page"), which only the capacity simulator chooses (`simulate --kv-layout page`) until
-# the workers lay the KV cache out for it.
-KV_LAYOUTS = ("groups", "page")
-_kv_layout = "groups"
+# ("page"); `hisparse_config.kv_layout` chooses, unless `kv_layout` overrides it (the
+# capacity simulator's `--kv-layout`).
+KV_LAYOUTS: tuple[str, ...] = get_args(HiSparseKVLayout)
+_kv_layout: str | None = None
 
 
 @contextlib.contextmanager
 def kv_layout(name: str) -> Iterator[None]:
-    """Within the block, `hisparse_kv_cache_groups` gives the `name` layout's groups."""
+    """Within the block, `hisparse_kv_cache_groups` gives the `name` layout's groups,
+    whatever `hisparse_config.kv_layout` says."""
     global _kv_layout
     if name not in KV_LAYOUTS:
         raise ValueError(f"KV cache layout {name!r}: choose from {', '.join(KV_LAYOUTS)}")
@@ -178,11 +181,13 @@ def hisparse_kv_cache_groups(
 ) -> list[KVCacheGroupSpec] | None:
     """HiSparse's groups for a DSA model, or None to let upstream group as usual
     (HiSparse off, or its residency plans cannot run on this platform)."""
-    if _kv_layout == "page":
-        return page_layout_kv_cache_groups(vllm_config, kv_cache_spec)
     layers = _hisparse_layers(vllm_config, kv_cache_spec)
     if layers is None:
         return None
+    hisparse = vllm_config.attention_config.hisparse_config
+    assert hisparse is not None
+    if (_kv_layout or hisparse.kv_layout) == "page":
+        return page_layout_kv_cache_groups(vllm_config, kv_cache_spec)
     mla, resident, drafter = layers
     mla_page = kv_cache_spec[mla[0]].page_size_bytes
     resident_width = sum(kv_cache_spec[name].page_size_bytes for name in resident)
@@ -253,6 +258,98 @@ def page_layout_kv_cache_groups(
         for name, spec in kv_cache_spec.items()
     }
     return [*create_kv_cache_group_specs(coarse, [mla]), *_resident_group(coarse, resident, drafter)]
+
+
+# The resident group's page slots are a multiple of this many bytes apart (and of every
+# sparse-MLA layer's row), so every kernel page starts 16-byte aligned, as vector and TMA
+# loads need, and a block stride is a whole number of latent rows.
+PAGE_SLOT_ALIGNMENT = 16
+
+
+def page_layout_multiple(groups: Sequence[KVCacheGroupSpec]) -> int | None:
+    """Pages per resident block when `groups` are the page layout's (one sparse-MLA group,
+    then a resident group of coarser blocks); None for any other grouping."""
+    if len(groups) != 2 or hisparse_managed_group_ids(groups) != (0,):
+        return None
+    page, resident = (group.kv_cache_spec.block_size for group in groups)
+    if resident <= page or resident % page:
+        return None
+    return resident // page
+
+
+def _layer_spec(group: KVCacheGroupSpec, name: str) -> KVCacheSpec:
+    spec = group.kv_cache_spec
+    return spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
+def page_layout_block_bytes(groups: Sequence[KVCacheGroupSpec]) -> int | None:
+    """Bytes of one block of the page layout's pool; None for any other grouping.
+
+    A resident block is m page slots one after another, each holding one 64-token page
+    of every resident layer, so the kernels that read 64-token pages see one page stride
+    (a slot). A slot is as wide as the resident layers' pages, or as a sparse-MLA page's
+    m-th part if that is wider, rounded up to a multiple of `PAGE_SLOT_ALIGNMENT` and of
+    every latent row (the sparse-MLA kernels address rows at a block's stride); a block
+    is m slots. The rounding costs at most m rows per block (0.3% for GLM-5.3).
+    """
+    multiple = page_layout_multiple(groups)
+    if multiple is None:
+        return None
+    mla, resident = groups
+    mla_width = sum(_layer_spec(mla, name).page_size_bytes for name in mla.layer_names)
+    resident_width = sum(_layer_spec(resident, name).page_size_bytes for name in resident.layer_names)
+    unit = PAGE_SLOT_ALIGNMENT
+    for group in groups:
+        for name in group.layer_names:
+            if not name.endswith(INDEXER_LAYER_SUFFIX):
+                spec = _layer_spec(group, name)
+                unit = math.lcm(unit, spec.page_size_bytes // spec.block_size)
+    slot = max(-(-mla_width // multiple), -(-resident_width // multiple))
+    return multiple * -(-slot // unit) * unit
+
+
+def interleave_resident_pages(
+    groups: Sequence[KVCacheGroupSpec], tensors: list[KVCacheTensor]
+) -> list[KVCacheTensor]:
+    """The page layout's KV cache tensors: the resident layers' pages interleaved by slot.
+
+    Upstream places each resident layer's whole m-page block after the previous layer's;
+    here page j of every resident layer lies in slot j of the block (one 64-token page per
+    layer, back to back), so a resident block splits into m kernel blocks one slot apart
+    (`kernel_pages_interleaved`). Other groupings' tensors are returned unchanged.
+    """
+    multiple = page_layout_multiple(groups)
+    if multiple is None:
+        return tensors
+    resident = groups[1]
+    names = set(resident.layer_names)
+    out, offset = [], 0
+    for tensor in tensors:
+        if not names.issuperset(tensor.layers):
+            out.append(tensor)
+            continue
+        page = _layer_spec(resident, tensor.layers[0]).page_size_bytes
+        if page % multiple:
+            raise ValueError(
+                f"the page layout cannot split {tensor.layers[0]}'s {page}-byte block into {multiple} pages"
+            )
+        kernel_page = page // multiple
+        out.append(dataclasses.replace(tensor, layer_stride=kernel_page, offset=offset))
+        offset += len(tensor.layers) * kernel_page
+    return out
+
+
+def kernel_pages_interleaved(tensor: KVCacheTensor, ratio: int, dense_page: int) -> bool:
+    """Whether `tensor`'s layers keep each of a block's `ratio` kernel pages in its own slot
+    (`interleave_resident_pages`), so kernel block k starts k slots in, a slot being the
+    block stride / `ratio`: the split upstream makes only for one dense page per block."""
+    slot, rest = divmod(tensor.block_stride, ratio)
+    kernel_page = dense_page // ratio
+    return (
+        rest == 0
+        and tensor.layer_stride >= kernel_page
+        and tensor.offset + (len(tensor.layers) - 1) * tensor.layer_stride + kernel_page <= slot
+    )
 
 
 def hisparse_device_blocks_per_request(vllm_config: VllmConfig, groups: list[KVCacheGroupSpec]) -> int:

@@ -705,6 +705,7 @@ class HiSparseScheduling:
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
         if self.enable_caching:
+            self.blocks.cache_pages(request, stable)
             stable = min(stable, self.blocks.num_cached_pages(request_id) * self.block_size)
         residency.advance(request_id, stable)
 
