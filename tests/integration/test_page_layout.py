@@ -19,6 +19,7 @@ import sys
 import pytest
 import scheduler_harness as sh
 import tiny_models
+import torch
 
 from vllm.v1.hisparse.kv_grouping import (
     INDEXER_LAYER_SUFFIX,
@@ -27,6 +28,8 @@ from vllm.v1.hisparse.kv_grouping import (
 )
 
 sys.path.insert(0, str(sh.REPO / "benchmarks"))
+import itertools
+
 import page_layout
 
 HISPARSE = {"hisparse_config": {"host_pool_gib": 0.05}}
@@ -54,6 +57,63 @@ def test_the_page_layout_is_one_sparse_mla_group_and_a_resident_group_of_wider_b
     assert mla.kv_cache_spec.block_size == PAGE
     assert resident.kv_cache_spec.block_size == m * PAGE
     assert resident.kv_cache_spec.page_size_bytes <= mla.kv_cache_spec.page_size_bytes
+
+
+def byte_range(page) -> tuple[int, int]:
+    """The bytes one block's (or kernel block's) view of one layer covers, as [start, end)."""
+    assert page.is_contiguous(), "a page's rows are one run of bytes"
+    start = page.storage_offset() * page.element_size()
+    return start, start + page.numel() * page.element_size()
+
+
+def test_the_workers_views_give_each_block_of_a_group_bytes_of_its_own_and_split_resident_blocks_into_pages():
+    """The KV cache the workers allocate for the page layout, viewed as the kernels see it:
+    a sparse-MLA layer's page per block, and each resident layer's 64-token kernel pages
+    (m per block, vLLM's block table numbering block b's as b*m ... b*m + m - 1). Within a
+    block of either group, no two views share a byte, and every view stays inside its block.
+    Upstream's views refuse to split a block that several layers share."""
+    import dataclasses
+
+    from vllm.v1.hisparse.kv_grouping import page_layout_block_bytes
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    config = harness("page").kv_cache_config
+    groups = config.kv_cache_groups
+    block_bytes = page_layout_block_bytes(groups)
+    assert block_bytes == config.kv_cache_tensors[0].block_stride
+    num_blocks = 4
+    small = dataclasses.replace(
+        config,
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            dataclasses.replace(t, size=num_blocks * block_bytes) for t in config.kv_cache_tensors
+        ],
+    )
+    views = allocate_kv_cache(
+        small, torch.device("cpu"), KVCacheLayout.BLHNC, kernel_block_sizes=[PAGE, PAGE]
+    )
+    m = groups[1].kv_cache_spec.block_size // PAGE
+    base = next(iter(views.values())).untyped_storage().data_ptr()
+    for group, kernel_pages in ((groups[0], 1), (groups[1], m)):
+        for block in range(num_blocks):
+            ranges = []
+            for name in group.layer_names:
+                view = views[name]
+                assert view.untyped_storage().data_ptr() == base, "every group overlays one allocation"
+                assert view.shape[0] == num_blocks * kernel_pages
+                ranges += [byte_range(view[block * kernel_pages + j]) for j in range(kernel_pages)]
+            ranges.sort()
+            assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ranges)), (
+                group.layer_names,
+                block,
+            )
+            assert block * block_bytes <= ranges[0][0] and ranges[-1][1] <= (block + 1) * block_bytes
+    # The resident kernel pages are one slot apart, each with every resident layer's page.
+    slot = block_bytes // m
+    name = groups[1].layer_names[0]
+    starts = [byte_range(views[name][k])[0] for k in range(num_blocks * m)]
+    assert [b - a for a, b in itertools.pairwise(starts)] == [slot] * (num_blocks * m - 1)
 
 
 LENGTHS = (150, 300, 70, 500, 640)

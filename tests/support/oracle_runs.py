@@ -27,9 +27,9 @@ def hisparse(mode: str = "hybrid") -> dict:
     return {"hisparse_config": {"host_pool_gib": 0.05, "mode": mode}}
 
 
-def first_turns() -> list[list[int]]:
+def first_turns(lengths: tuple[int, ...] = (300, 360, 420)) -> list[list[int]]:
     rng = random.Random(5)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in (300, 360, 420)]
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
 def evict_device_sparse_mla_copies(scheduler) -> int:
@@ -64,8 +64,16 @@ EXPORTED_COUNTERS = (
 )
 
 
-def two_turns(model, churn: bool = False, reset: bool = False, between_turns=None, **overrides):
+def two_turns(
+    model,
+    churn: bool = False,
+    reset: bool = False,
+    between_turns=None,
+    lengths: tuple[int, ...] = (300, 360, 420),
+    **overrides,
+):
     """Tokens of both turns, and (with HiSparse) the scheduler's counters and preemptions.
+    The first turns' prompts have `lengths` tokens.
 
     Between turns, `churn` evicts device copies of host-held sparse-MLA pages and `reset`
     drops the whole device prefix cache (so only a KV connector can serve the prefixes);
@@ -73,7 +81,7 @@ def two_turns(model, churn: bool = False, reset: bool = False, between_turns=Non
     """
     with running_llm(model, dtype="float32", **overrides) as llm:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        prompts = first_turns()
+        prompts = first_turns(lengths)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         if churn:
@@ -99,15 +107,22 @@ def two_turns(model, churn: bool = False, reset: bool = False, between_turns=Non
 REPLAY_BUDGET = dict(max_num_batched_tokens=1024)
 
 
-def alike(under_pressure, reference, recorded: dict | None = None, same_steps: bool = False):
+def alike(
+    under_pressure,
+    reference,
+    recorded: dict | None = None,
+    same_steps: bool = False,
+    recorded_steps: list | None = None,
+):
     """Run `under_pressure()`, then `reference()` computing every prompt in the same prefill
     chunks; returns both results, having checked that the chunks were the same. The chunks
     recorded go into `recorded` when given. With `same_steps`, each of the reference's
     forwards also holds the same requests as the first run's (`scheduled_steps`), checked
-    too: for runs without a KV connector, whose loads move requests between steps."""
+    too: for runs without a KV connector, whose loads move requests between steps; the
+    steps recorded go into `recorded_steps` when given."""
     recorded = {} if recorded is None else recorded
     replayed: dict = {}
-    steps: list | None = [] if same_steps else None
+    steps: list | None = ([] if recorded_steps is None else recorded_steps) if same_steps else None
     replayed_steps: list | None = [] if same_steps else None
     with prefill_chunks(record=recorded), scheduled_steps(record=steps):
         pressed = under_pressure()

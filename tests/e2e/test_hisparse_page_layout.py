@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The page layout (`hisparse_config.kv_layout: "page"`) through the real engine on CPU.
+
+One sparse-MLA KV cache group (a page is one block) and a resident group whose blocks
+hold m pages, laid out so the indexer's kernels read each block as m 64-token pages.
+Three concurrent two-turn sessions of the six-layer tiny GLM-5 (sharp weights, index
+top-K 32), long enough for whole resident blocks, in fp32:
+
+- the first turns' greedy tokens equal those of upstream's one-group layout without
+  HiSparse: the workers' views of the interleaved resident pages are the bytes the
+  indexer wrote (a page read from another page's bytes changes its top-K, and tokens);
+- under pressure, with pages copied, demoted, read back by the resolver and second turns
+  starting from the host pool, both turns equal the page layout with everything resident,
+  whose prefix hits end on the same whole resident blocks.
+
+Each reference replays the pressure run's prefill chunks, as the other oracles do.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from engine import model_dir, prefill_chunks, scheduled_chunks, scheduled_steps
+from oracle_runs import REPLAY_BUDGET, SIX_LAYERS, alike, multiprocessing_off, two_turns
+
+from vllm.v1.hisparse import kv_grouping
+
+pytestmark = pytest.mark.slow_test
+
+PAGE = 64
+# Pages per resident block of this model in fp32: its six indexer layers' pages are 17.5
+# times narrower than its six sparse-MLA layers' (`choose_resident_block_multiple`).
+M = 17
+# Each first turn covers one whole resident block and part of the next.
+LENGTHS = (1100, 1240, 1380)
+LONG = dict(max_model_len=2048, lengths=LENGTHS)
+# Too few blocks for the sessions' ~70 pages (a page costs 1 + 1/17 blocks), enough to hold
+# each session's first resident block between its turns; the host pool holds every page.
+PRESSURE = dict(num_gpu_blocks_override=56, max_num_batched_tokens=128)
+
+
+def page_layout(**fields) -> dict:
+    return {"hisparse_config": {"host_pool_gib": 0.25, "kv_layout": "page", **fields}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return model_dir(SIX_LAYERS)
+
+
+def layouts(monkeypatch) -> list[list[int]]:
+    """Records the block size of every KV cache group the engines of the test build."""
+    seen: list[list[int]] = []
+    build = kv_grouping.interleave_resident_pages
+
+    def spy(groups, tensors):
+        seen.append([g.kv_cache_spec.block_size for g in groups])
+        return build(groups, tensors)
+
+    from vllm.v1.core import kv_cache_utils
+
+    monkeypatch.setattr(kv_cache_utils, "interleave_resident_pages", spy)
+    return seen
+
+
+def test_the_page_layout_keeps_the_tokens_with_and_without_pressure(model, monkeypatch):
+    seen = layouts(monkeypatch)
+    recorded: dict = {}
+    steps: list = []
+    pressed, resident = alike(
+        multiprocessing_off(
+            lambda: two_turns(model, churn=True, attention_config=page_layout(), **LONG, **PRESSURE)
+        ),
+        multiprocessing_off(
+            lambda: two_turns(model, attention_config=page_layout(), **LONG, **REPLAY_BUDGET)
+        ),
+        recorded=recorded,
+        same_steps=True,
+        recorded_steps=steps,
+    )
+    assert seen and all(blocks == [PAGE, M * PAGE] for blocks in seen), "both runs ran the page layout"
+    del seen[:]
+    tokens, tokens2, cached2, stats, preemptions, exported = pressed
+    ref_tokens, ref_tokens2, ref_cached2, ref_stats, *_ = resident
+    # Pressure happened, and every kind of residency was exercised.
+    assert stats["pages_demoted"] > 0 and stats["pages_copied_to_host"] > 0
+    assert stats["request_steps_mixed"] > 0
+    assert stats["host_prefix_pages_reused"] > 0, "second turns took their history from the host pool"
+    assert stats["rows_loaded"] > 0 and stats["rows_hit"] > 0
+    assert preemptions == 0
+    for name in ("pages_demoted", "rows_loaded", "host_prefix_pages_reused"):
+        assert exported[f"vllm:hisparse_{name}"] == stats[name]
+    assert ref_stats["pages_demoted"] == 0, "the reference kept everything resident"
+    # Hits end on whole resident blocks, in both runs alike.
+    assert all(c > 0 and c % (M * PAGE) == 0 for c in cached2), cached2
+    assert cached2 == ref_cached2
+    assert tokens == ref_tokens
+    assert tokens2 == ref_tokens2
+
+    # Upstream's one group without HiSparse computes the first turns in the same chunks and
+    # steps (its second turns hit the prefix cache at page granularity: not compared).
+    first_steps = list(itertools.takewhile(lambda step: all(len(p) in LENGTHS for p in step), steps))
+    replayed: dict = {}
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        prefill_chunks(record=replayed, replay=recorded),
+        scheduled_steps(replay=first_steps),
+    ):
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        plain_tokens, *_ = two_turns(model, **LONG, **REPLAY_BUDGET)
+    chunks = {prompt: n for prompt, n in scheduled_chunks(recorded).items() if len(prompt) in LENGTHS}
+    assert len(chunks) == len(LENGTHS)
+    assert {prompt: n for prompt, n in scheduled_chunks(replayed).items() if len(prompt) in LENGTHS} == chunks
+    assert seen and all(blocks == [PAGE] for blocks in seen), "the plain run has upstream's one group"
+    assert plain_tokens == tokens
