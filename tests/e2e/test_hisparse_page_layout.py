@@ -11,7 +11,9 @@ top-K 32), long enough for whole resident blocks, in fp32:
   indexer wrote (a page read from another page's bytes changes its top-K, and tokens);
 - under pressure, with pages copied, demoted, read back by the resolver and second turns
   starting from the host pool, both turns equal the page layout with everything resident,
-  whose prefix hits end on the same whole resident blocks.
+  whose prefix hits end on the same whole resident blocks;
+- so do they with the OffloadingConnector beside HiSparse (the announcement's two flags),
+  and with an MTP drafter, whose layers join the resident group.
 
 Each reference replays the pressure run's prefill chunks, as the other oracles do.
 """
@@ -21,7 +23,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from engine import model_dir, prefill_chunks, scheduled_chunks, scheduled_steps
+import tiny_models
+from engine import model_dir, offloading_connector, prefill_chunks, scheduled_chunks, scheduled_steps
 from oracle_runs import REPLAY_BUDGET, SIX_LAYERS, alike, multiprocessing_off, two_turns
 
 from vllm.v1.hisparse import kv_grouping
@@ -35,6 +38,9 @@ M = 17
 # Each first turn covers one whole resident block and part of the next.
 LENGTHS = (1100, 1240, 1380)
 LONG = dict(max_model_len=2048, lengths=LENGTHS)
+SIX_LAYERS_MTP = tiny_models.TinyModelSpec(
+    arch="glm5", init_std=0.2, index_topk=32, num_hidden_layers=6, num_nextn_predict_layers=1
+)
 # Too few blocks for the sessions' ~70 pages (a page costs 1 + 1/17 blocks), enough to hold
 # each session's first resident block between its turns; the host pool holds every page.
 PRESSURE = dict(num_gpu_blocks_override=56, max_num_batched_tokens=128)
@@ -114,3 +120,63 @@ def test_the_page_layout_keeps_the_tokens_with_and_without_pressure(model, monke
     assert {prompt: n for prompt, n in scheduled_chunks(replayed).items() if len(prompt) in LENGTHS} == chunks
     assert seen and all(blocks == [PAGE] for blocks in seen), "the plain run has upstream's one group"
     assert plain_tokens == tokens
+
+
+def test_the_page_layout_with_the_offloading_connector_keeps_the_tokens(model):
+    """Both announcement flags on the page layout: the OffloadingConnector stores and loads
+    the resident group's m-page blocks (the indexer's), HiSparse demotes sparse-MLA pages
+    under pressure and restores a connector hit's pages from its host pool after the device
+    prefix cache is dropped between turns. Equal to the same layout with room for all."""
+
+    def offloading(**overrides):
+        with offloading_connector("CPUOffloadingSpec", label="test-hisparse-page-layout") as kv_transfer:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+                return two_turns(
+                    model,
+                    reset=True,
+                    kv_transfer_config=kv_transfer,
+                    attention_config=page_layout(),
+                    **LONG,
+                    **overrides,
+                )
+
+    pressed, reference = alike(lambda: offloading(**PRESSURE), lambda: offloading(**REPLAY_BUDGET))
+    tokens, tokens2, cached2, stats, preemptions, offload = pressed
+    assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
+    assert stats["pages_restored"] > 0, "a connector hit took its sparse-MLA pages back to the device"
+    assert offload["vllm:kv_offload_store_bytes"] > 0 and offload["vllm:kv_offload_load_bytes"] > 0
+    assert all(c > 0 and c % (M * PAGE) == 0 for c in cached2), cached2
+    assert cached2 == reference[2]
+    assert (tokens, tokens2) == reference[:2]
+
+
+def test_the_page_layout_with_an_mtp_drafter_keeps_the_tokens():
+    """An MTP drafter's layers join the resident group (its sparse-MLA layer too, read as
+    64-token kernel pages of the m-page blocks): drafts are verified for requests with host
+    pages, second turns start from the host pool, and tokens equal the layout with room for
+    all, computed in the same chunks and steps."""
+    model = model_dir(SIX_LAYERS_MTP)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    # The drafter's latent layer makes resident blocks wider (m = 4): more blocks for the
+    # same pressure.
+    pressure = dict(PRESSURE, num_gpu_blocks_override=80)
+    pressed, resident = alike(
+        multiprocessing_off(
+            lambda: two_turns(
+                model, churn=True, speculative_config=mtp, attention_config=page_layout(), **LONG, **pressure
+            )
+        ),
+        multiprocessing_off(
+            lambda: two_turns(
+                model, speculative_config=mtp, attention_config=page_layout(), **LONG, **REPLAY_BUDGET
+            )
+        ),
+        same_steps=True,
+    )
+    tokens, tokens2, cached2, stats, preemptions, _ = pressed
+    assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
+    assert stats["speculative_steps_with_host_pages"] > 0
+    assert stats["host_prefix_pages_reused"] > 0
+    assert all(c > 0 for c in cached2) and cached2 == resident[2]
+    assert (tokens, tokens2) == resident[:2]

@@ -248,15 +248,18 @@ def test_the_simulator_runs_the_page_layout_when_asked_and_says_so(tmp_path, mon
     for result in results.values():
         (record,) = result["records"]
         assert record["sessions_completed"] == 2 and record["requests_failed"] == 0
+    # The serve flags' hisparse_config.kv_layout chooses it as well.
     text = tmp_path / "page.md"
+    served = {"hisparse_config": {"host_pool_gib": 384, "kv_layout": "page"}}
+    calls.clear()
     assert (
         main(
             [
                 *argv,
                 "--configs",
                 "hybrid",
-                "--kv-layout",
-                "page",
+                "--attention-config",
+                json.dumps(served),
                 "--format",
                 "markdown",
                 "--output",
@@ -266,6 +269,7 @@ def test_the_simulator_runs_the_page_layout_when_asked_and_says_so(tmp_path, mon
         == 0
     )
     assert text.read_text().startswith("KV cache layout: page")
+    assert calls and set(calls) == {2}
 
 
 def test_an_unknown_kv_layout_is_refused():

@@ -240,9 +240,8 @@ def page_layout_kv_cache_groups(
     in one group whose blocks hold `choose_resident_block_multiple` pages each, so both
     groups' blocks are about as wide and share the one pool at any ratio.
 
-    The scheduler, HiSparse's scheduling included, runs on these groups (the capacity
-    simulator projects the layout with them: `kv_layout("page")`); the workers do not
-    lay the KV cache out for them yet, so no `hisparse_config` field chooses them.
+    `hisparse_config.kv_layout: "page"` chooses them. The workers lay each block out with
+    `page_layout_block_bytes` and `interleave_resident_pages`.
     """
     layers = _hisparse_layers(vllm_config, kv_cache_spec)
     if layers is None:

@@ -766,15 +766,19 @@ def simulate(
     progress: Any = None,
     jobs: int = 1,
     check_ownership: bool = False,
-    layout: str = "groups",
+    layout: str | None = None,
 ) -> dict[str, Any]:
     """Every (workload, configuration, concurrency) record, and what they were run on: each
     workload at its own concurrencies. `jobs` > 1 runs simulations side by side in that
     many processes (each a scheduler of its own; the records are the same).
     `check_ownership`: check HiSparse's ownership invariant after every schedule() and
     every output; a violation raises `OwnershipError`. `layout`: HiSparse's KV cache
-    groups (`groups`) or the page layout (`page`, which the workers do not run yet)."""
-    with kv_layout(layout):
+    layout (`hisparse_config.kv_layout`: `groups` or `page`), in place of the request's."""
+    layout = layout or request.hisparse_config.get("kv_layout", "groups")
+    with kv_layout(layout):  # refuses an unknown layout, naming the choices
+        request = dataclasses.replace(
+            request, hisparse_config={**request.hisparse_config, "kv_layout": layout}
+        )
         result = _simulate(request, runs, configs, constants, seed, progress, jobs, check_ownership)
     return {**result, "kv_layout": layout}
 
@@ -885,8 +889,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines: list[str] = []
     if result.get("kv_layout") == "page":
         lines += [
-            "KV cache layout: page (one block per page; the scheduler's side only, which the "
-            'workers do not run yet: docs/architecture.md, "The page layout")',
+            'KV cache layout: page (one block per page: docs/architecture.md, "The page layout")',
             "",
         ]
     for workload in result["workloads"]:
@@ -1030,10 +1033,9 @@ def argument_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--kv-layout",
         choices=KV_LAYOUTS,
-        default="groups",
-        help="HiSparse's KV cache layout: its sparse-MLA groups (groups, what the engine runs), or "
-        "the page layout (page: one block per page; a projection of the scheduler's side, which "
-        'the workers do not run yet; docs/architecture.md, "The page layout")',
+        help="HiSparse's KV cache layout, in place of the serve flags' hisparse_config.kv_layout "
+        "(default: theirs, or groups): its sparse-MLA groups (groups), or the page layout (page: "
+        'one block per page; docs/architecture.md, "The page layout")',
     )
     group.add_argument(
         "--check-ownership",
