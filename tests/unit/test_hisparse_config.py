@@ -94,9 +94,17 @@ def test_config_hash_follows_layout_fields_only():
     buffer = AttentionConfig(
         hisparse_config=HiSparseConfig(host_pool_gib=384, device_buffer_size=8192)
     ).compute_hash()
+    page = AttentionConfig(hisparse_config=HiSparseConfig(host_pool_gib=384, kv_layout="page")).compute_hash()
     assert on != off
     assert on == bigger_pool == no_copy
-    assert len({on, always, buffer}) == 3
+    assert len({on, always, buffer, page}) == 4
+
+
+def test_kv_layout_is_groups_unless_page_is_chosen_and_anything_else_is_refused():
+    assert HiSparseConfig(host_pool_gib=1).kv_layout == "groups"
+    assert HiSparseConfig(host_pool_gib=1, kv_layout="page").kv_layout == "page"
+    with pytest.raises(ValueError, match="kv_layout[\\s\\S]*'groups' or 'page'"):
+        HiSparseConfig(host_pool_gib=1, kv_layout="pages")
 
 
 def engine_config(model_dir: Path, hisparse: dict):

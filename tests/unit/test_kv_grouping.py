@@ -108,3 +108,48 @@ def test_the_page_layouts_multiple_is_the_best_and_the_finest_of_equals(layers, 
 def test_a_resident_group_wider_than_the_sparse_mla_one_gets_one_page_blocks():
     assert choose_resident_block_multiple(REAL_MLA_PAGE, 3 * REAL_MLA_PAGE) == 1
     assert page_layout_capacity(1, REAL_MLA_PAGE, 3 * REAL_MLA_PAGE) == pytest.approx(4 / 6)
+
+
+def glm53_page_layout_groups() -> list:
+    """GLM-5.3's page layout at fp8: 78 sparse-MLA layers of 656-byte rows, and a resident
+    group of 14-page blocks of its indexer layers (132-byte rows) and its MTP layer."""
+    import dataclasses
+
+    import torch
+
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    layers, mla_width, resident_width = glm53_widths()
+    latent = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=656, dtype=torch.uint8)
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+    num_indexers = (resident_width - latent.page_size_bytes) // indexer.page_size_bytes
+    m = choose_resident_block_multiple(mla_width, resident_width)
+    mla_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    resident = {f"model.layers.{i}.self_attn.indexer.k_cache": indexer for i in range(num_indexers)}
+    resident[f"model.layers.{layers}.self_attn.attn"] = latent
+    resident = {name: dataclasses.replace(spec, block_size=64 * m) for name, spec in resident.items()}
+    return [
+        KVCacheGroupSpec(mla_names, latent),
+        KVCacheGroupSpec(list(resident), UniformTypeKVCacheSpecs.from_specs(resident)),
+    ]
+
+
+def test_a_page_layout_block_is_m_aligned_slots_of_whole_latent_rows_and_costs_little():
+    from vllm.v1.hisparse.kv_grouping import (
+        PAGE_SLOT_ALIGNMENT,
+        page_layout_block_bytes,
+        page_layout_multiple,
+    )
+
+    groups = glm53_page_layout_groups()
+    _, mla_width, resident_width = glm53_widths()
+    m = page_layout_multiple(groups)
+    assert m == 14
+    block = page_layout_block_bytes(groups)
+    slot, rest = divmod(block, m)
+    assert rest == 0 and slot % PAGE_SLOT_ALIGNMENT == 0
+    assert slot % FP8_SPARSE_MLA_BYTES_PER_TOKEN == 0, "the drafter's latent rows are whole in a slot"
+    assert block >= mla_width and slot >= resident_width
+    assert block <= mla_width + m * FP8_SPARSE_MLA_BYTES_PER_TOKEN, "at most a row per slot"
+    # The current layout's groups (one block size) are not the page layout.
+    assert page_layout_multiple(groups[:1]) is None and page_layout_block_bytes(groups[:1]) is None

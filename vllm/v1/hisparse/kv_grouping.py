@@ -252,6 +252,20 @@ def page_layout_kv_cache_groups(
     mla_width = sum(kv_cache_spec[name].page_size_bytes for name in mla)
     resident_width = sum(kv_cache_spec[name].page_size_bytes for name in resident)
     multiple = choose_resident_block_multiple(mla_width, resident_width)
+    from vllm.platforms import current_platform
+
+    logger.info(
+        "Hybrid HiSparse: the page layout, one sparse-MLA KV cache group plus a resident group "
+        "of %d-page blocks (%.1f%% of single-group capacity).",
+        multiple,
+        100 * page_layout_capacity(multiple, mla_width, resident_width),
+    )
+    if current_platform.is_cuda():
+        logger.warning(
+            "Hybrid HiSparse: hisparse_config.kv_layout 'page' has been checked on CPU only; the "
+            "CUDA indexer and sparse-MLA kernels read its resident pages at a stride this build "
+            "has not run them on. Use kv_layout 'groups' (the default) for production."
+        )
     coarse = {
         name: dataclasses.replace(spec, block_size=spec.block_size * multiple) if name in resident else spec
         for name, spec in kv_cache_spec.items()
