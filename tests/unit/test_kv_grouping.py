@@ -153,3 +153,14 @@ def test_a_page_layout_block_is_m_aligned_slots_of_whole_latent_rows_and_costs_l
     assert block <= mla_width + m * FP8_SPARSE_MLA_BYTES_PER_TOKEN, "at most a row per slot"
     # The current layout's groups (one block size) are not the page layout.
     assert page_layout_multiple(groups[:1]) is None and page_layout_block_bytes(groups[:1]) is None
+    # Nor are another model's two groups of other block sizes (not 64-token sparse-MLA pages).
+    import dataclasses
+
+    import torch
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    dense = FullAttentionSpec(block_size=64, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    assert page_layout_multiple([KVCacheGroupSpec(["a"], dense), groups[1]]) is None
+    wider = dataclasses.replace(groups[0].kv_cache_spec, block_size=128)
+    assert page_layout_multiple([KVCacheGroupSpec(groups[0].layer_names, wider), groups[1]]) is None

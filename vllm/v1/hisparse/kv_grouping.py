@@ -280,12 +280,16 @@ PAGE_SLOT_ALIGNMENT = 16
 
 
 def page_layout_multiple(groups: Sequence[KVCacheGroupSpec]) -> int | None:
-    """Pages per resident block when `groups` are the page layout's (one sparse-MLA group,
-    then a resident group of coarser blocks); None for any other grouping."""
+    """Pages per resident block when `groups` are the page layout's (one sparse-MLA group of
+    64-token pages, then a resident group of coarser blocks holding the indexer layers);
+    None for any other grouping, upstream's included."""
     if len(groups) != 2 or hisparse_managed_group_ids(groups) != (0,):
         return None
-    page, resident = (group.kv_cache_spec.block_size for group in groups)
-    if resident <= page or resident % page:
+    mla, resident_group = groups
+    if not isinstance(mla.kv_cache_spec, MLAAttentionSpec):
+        return None
+    page, resident = mla.kv_cache_spec.block_size, resident_group.kv_cache_spec.block_size
+    if page != SPARSE_MLA_PAGE_TOKENS or resident <= page or resident % page:
         return None
     return resident // page
 
