@@ -11,7 +11,9 @@ top-K 32), long enough for whole resident blocks, in fp32:
   indexer wrote (a page read from another page's bytes changes its top-K, and tokens);
 - under pressure, with pages copied, demoted, read back by the resolver and second turns
   starting from the host pool, both turns equal the page layout with everything resident,
-  whose prefix hits end on the same whole resident blocks;
+  and upstream's one group: second turns hit their whole history at page granularity,
+  as upstream's do, though a resident block holds 17 pages (a hit ending inside one
+  gets a private copy of it, copied by the workers through the split views);
 - so do they with the OffloadingConnector beside HiSparse (the announcement's two flags),
   and with an MTP drafter, whose layers join the resident group.
 
@@ -25,7 +27,7 @@ import itertools
 import pytest
 import tiny_models
 from engine import model_dir, offloading_connector, prefill_chunks, scheduled_chunks, scheduled_steps
-from oracle_runs import REPLAY_BUDGET, SIX_LAYERS, alike, multiprocessing_off, two_turns
+from oracle_runs import REPLAY_BUDGET, SIX_LAYERS, alike, first_turns, multiprocessing_off, two_turns
 
 from vllm.v1.hisparse import kv_grouping
 
@@ -70,8 +72,24 @@ def layouts(monkeypatch) -> list[list[int]]:
     return seen
 
 
+def block_copies(monkeypatch) -> list:
+    """Records the resident blocks the workers copy for hits that end inside one."""
+    from vllm.v1.worker import gpu_model_runner
+
+    copies: list = []
+    copy = gpu_model_runner.copy_kv_cache_blocks_inplace
+
+    def spy(kv_caches, num_blocks, block_copies):
+        copies.extend(block_copies)
+        return copy(kv_caches, num_blocks, block_copies)
+
+    monkeypatch.setattr(gpu_model_runner, "copy_kv_cache_blocks_inplace", spy)
+    return copies
+
+
 def test_the_page_layout_keeps_the_tokens_with_and_without_pressure(model, monkeypatch):
     seen = layouts(monkeypatch)
+    copies = block_copies(monkeypatch)
     recorded: dict = {}
     steps: list = []
     pressed, resident = alike(
@@ -98,14 +116,19 @@ def test_the_page_layout_keeps_the_tokens_with_and_without_pressure(model, monke
     for name in ("pages_demoted", "rows_loaded", "host_prefix_pages_reused"):
         assert exported[f"vllm:hisparse_{name}"] == stats[name]
     assert ref_stats["pages_demoted"] == 0, "the reference kept everything resident"
-    # Hits end on whole resident blocks, in both runs alike.
-    assert all(c > 0 and c % (M * PAGE) == 0 for c in cached2), cached2
+    # Each second turn hits its whole history (the first turn's prompt and output but its
+    # last token) to the page, in both runs alike; some hits end inside a resident block,
+    # whose private copy the workers made.
+    histories = [len(p) + len(t) - 1 for p, t in zip(first_turns(LENGTHS), tokens, strict=True)]
+    assert cached2 == [n // PAGE * PAGE for n in histories], (cached2, histories)
+    assert any(c % (M * PAGE) for c in cached2)
+    assert copies, "a hit inside a resident block took a private copy of it"
     assert cached2 == ref_cached2
     assert tokens == ref_tokens
     assert tokens2 == ref_tokens2
 
     # Upstream's one group without HiSparse computes the first turns in the same chunks and
-    # steps (its second turns hit the prefix cache at page granularity: not compared).
+    # steps, and its second turns hit the same pages: both turns' tokens are equal.
     first_steps = list(itertools.takewhile(lambda step: all(len(p) in LENGTHS for p in step), steps))
     replayed: dict = {}
     with (
@@ -114,12 +137,14 @@ def test_the_page_layout_keeps_the_tokens_with_and_without_pressure(model, monke
         scheduled_steps(replay=first_steps),
     ):
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        plain_tokens, *_ = two_turns(model, **LONG, **REPLAY_BUDGET)
+        plain_tokens, plain_tokens2, plain_cached2, *_ = two_turns(model, **LONG, **REPLAY_BUDGET)
     chunks = {prompt: n for prompt, n in scheduled_chunks(recorded).items() if len(prompt) in LENGTHS}
     assert len(chunks) == len(LENGTHS)
     assert {prompt: n for prompt, n in scheduled_chunks(replayed).items() if len(prompt) in LENGTHS} == chunks
     assert seen and all(blocks == [PAGE] for blocks in seen), "the plain run has upstream's one group"
     assert plain_tokens == tokens
+    assert plain_cached2 == cached2
+    assert plain_tokens2 == tokens2
 
 
 def test_the_page_layout_with_the_offloading_connector_keeps_the_tokens(model):
@@ -160,7 +185,7 @@ def test_the_page_layout_with_an_mtp_drafter_keeps_the_tokens():
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
     # The drafter's latent layer makes resident blocks wider (m = 4): more blocks for the
     # same pressure.
-    pressure = dict(PRESSURE, num_gpu_blocks_override=80)
+    pressure = dict(PRESSURE, num_gpu_blocks_override=72)
     pressed, resident = alike(
         multiprocessing_off(
             lambda: two_turns(
@@ -178,5 +203,9 @@ def test_the_page_layout_with_an_mtp_drafter_keeps_the_tokens():
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
     assert stats["speculative_steps_with_host_pages"] > 0
     assert stats["host_prefix_pages_reused"] > 0
-    assert all(c > 0 for c in cached2) and cached2 == resident[2]
+    # Each second turn hits its history to the page, less the page the drafter recomputes
+    # (as upstream's hits do), in both runs alike.
+    histories = [len(p) + len(t) - 1 for p, t in zip(first_turns(LENGTHS), tokens, strict=True)]
+    assert cached2 == [(n // PAGE - 1) * PAGE for n in histories], (cached2, histories)
+    assert cached2 == resident[2]
     assert (tokens, tokens2) == resident[:2]

@@ -15,6 +15,9 @@ vLLM's real Scheduler and KV cache manager (the scheduler harness), across:
 - an MTP drafter of 1 to 3 tokens on the tiny GLM-5.3 (shared indexers, an MTP layer),
   with drafts accepted at random (asynchronously, the scheduler's placeholders).
 
+The same traffic runs on the page layout (`hisparse_config.kv_layout: "page"`), whose
+hits may end inside a resident block (vLLM's copy-on-write of that block).
+
 After every step the harness runs HiSparse's ownership check; after the last, every
 device block, host page and copy must be back. `make test` runs six seeds of every
 configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B seeds A to B-1 (the long run:
@@ -146,8 +149,40 @@ def test_cases_the_long_run_found_keep_one_owner_per_block_page_and_copy(
     run_stress(model, tmp_path, connector, async_scheduling, seed)
 
 
+# Cases the page layout's long run found failing. The OffloadingConnector's hit went past a
+# local hit ending inside a resident block: vLLM cut the local hit back to the block's first
+# page, and the host pages the admission had taken past the cut were left in its record.
+PAGE_LAYOUT_FOUND = [("offloading", True, 7109)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("connector", "async_scheduling"),
+    [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
+)
+@pytest.mark.parametrize("drafter", [False, True], ids=["no-drafter", "mtp"])
+def test_the_page_layout_keeps_one_owner_per_block_page_and_copy(
+    model, glm53_model, tmp_path, connector, async_scheduling, drafter, seed
+):
+    model = glm53_model if drafter else model
+    run_stress(model, tmp_path, connector, async_scheduling, seed, drafter, layout="page")
+
+
+@pytest.mark.parametrize(("connector", "async_scheduling", "seed"), PAGE_LAYOUT_FOUND)
+def test_cases_the_page_layouts_long_run_found_keep_one_owner_per_block_page_and_copy(
+    model, tmp_path, connector, async_scheduling, seed
+):
+    run_stress(model, tmp_path, connector, async_scheduling, seed, layout="page")
+
+
 def run_stress(
-    model: str, tmp_path, connector: str, async_scheduling: bool, seed: int, drafter: bool = False
+    model: str,
+    tmp_path,
+    connector: str,
+    async_scheduling: bool,
+    seed: int,
+    drafter: bool = False,
+    layout: str = "groups",
 ) -> None:
     rng = random.Random(f"{connector}-{async_scheduling}-{seed}" + ("-mtp" if drafter else ""))
     memory_mib = rng.choice([6, 7, 8, 10, 14])
@@ -168,7 +203,7 @@ def run_stress(
         memory_bytes=round((memory_mib << 20) * (1.35 if drafter else 1)),
         attention_config={
             "hisparse_config": {"host_pool_gib": (host_pages + 0.5) * page_gib, "mode": mode,
-                                "proactive_copy": proactive}
+                                "proactive_copy": proactive, "kv_layout": layout}
         },
         max_model_len=1024,
         max_num_batched_tokens=rng.choice([128, 256, 512]),
@@ -179,6 +214,7 @@ def run_stress(
     )  # fmt: skip
     if drafter:
         assert h.num_speculative_tokens == num_drafts and h.scheduler.num_spec_tokens == num_drafts
+    assert (h.hisparse.blocks.resident_multiple > 1) == (layout == "page")
     if connector == "example" and async_scheduling:
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
     seen = run_sessions(h, rng, connector)

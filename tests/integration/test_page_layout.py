@@ -6,7 +6,8 @@ resident group's blocks hold several pages. benchmarks/page_layout.py measures
 what that saves the scheduler; these tests hold that the real scheduler and
 HiSparse's ownership check run on those groups, that the block pool's work per
 page falls as the benchmark counts it, and that prefix hits (the device's and
-the host prefix walk's) grow a whole resident block at a time.
+the host prefix walk's) end on any page, a hit inside a resident block taking a
+private copy of it.
 """
 
 from __future__ import annotations
@@ -147,18 +148,48 @@ def test_requests_finish_in_the_page_layout_with_a_block_per_page_instead_of_one
     assert page_counts["blocks allocated"] * (num_groups - 1) < group_counts["blocks allocated"]
 
 
+def scheduled_copies(h: sh.SchedulerHarness) -> list:
+    """Records the block copies every step's scheduler output asks the workers for."""
+    copies: list = []
+    schedule = h.schedule
+
+    def recording():
+        output = schedule()
+        copies.extend(output.kv_cache_block_copies or ())
+        return output
+
+    h.schedule = recording
+    return copies
+
+
 @pytest.mark.parametrize("layout", ["groups", "page"])
-def test_a_repeated_prompt_hits_the_prefix_cache_at_the_resident_blocks_granularity(layout):
+def test_a_repeated_prompt_hits_the_prefix_cache_to_the_page_in_either_layout(layout):
+    """The page layout's resident block holds m pages; a hit ending inside one takes a
+    private copy of it (vLLM's copy-on-write), which the workers make before the step."""
     h = harness(layout)
+    copies = scheduled_copies(h)
     rng = random.Random(5)
     tokens = [rng.randrange(1, 1000) for _ in range(1000)]
-    h.add_request(tokens, 4)
-    h.run_until_done(max_steps=100)
+    first = h.add_request(tokens, 4)
+    while not first.is_finished():
+        first_blocks = h.block_ids(first.request_id)
+        h.step()
+    assert not copies
     h.add_request(tokens, 4, request_id="again")
     hit = h.step().new_request_cached_tokens["again"]
+    assert hit == (len(tokens) - 1) // PAGE * PAGE
     resident = h.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
-    assert hit == (len(tokens) - 1) // resident * resident
-    assert hit > 0
+    if layout == "groups":
+        assert resident == PAGE and not copies
+    else:
+        # The hit ends in the first request's second resident block: the new request's table
+        # holds a copy of it.
+        assert hit % resident
+        (copy,) = copies
+        again = h.block_ids("again")
+        assert copy.src_block_id == first_blocks[-1][hit // resident]
+        assert copy.dst_block_id == again[-1][hit // resident] != copy.src_block_id
+    h.run_until_done(max_steps=100)
 
 
 SIX_LAYERS = tiny_models.TinyModelSpec(arch="glm5", index_topk=32, num_hidden_layers=6)
@@ -168,11 +199,12 @@ def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 3000 + 10 for i in range(length)]
 
 
-def test_a_history_only_the_host_pool_holds_comes_back_a_whole_resident_block_at_a_time():
+def test_a_history_only_the_host_pool_holds_comes_back_to_the_page():
     """A finished request's 640-token prefix (ten pages) whose sparse-MLA blocks left the
     device prefix cache, its resident blocks still cached there and its pages in the host
-    pool: the next request's walk takes the host pages of every whole resident block the
-    device caches (one: pages 0-7), and recomputes the rest."""
+    pool: the next request's walk takes the host pages of the resident blocks the device
+    caches, to the last page the second block's partial entry holds (pages 0-9), and
+    recomputes the rest."""
     with page_layout.layout("page"):
         h = sh.SchedulerHarness.create(
             model=sh.tiny_glm5_dir(SIX_LAYERS), memory_bytes=64 << 20, attention_config=HISPARSE
@@ -184,6 +216,7 @@ def test_a_history_only_the_host_pool_holds_comes_back_a_whole_resident_block_at
     first = h.add_request(shared + prompt(4, 20), max_tokens=8)
     h.step()
     mla_blocks = set(h.block_ids(first.request_id)[0])
+    first_resident = h.block_ids(first.request_id)[1]
     h.run_until_done(max_steps=100)
     # vLLM caches a hybrid layout's blocks up to a whole resident block (hits end on one);
     # HiSparse commits the sparse-MLA pages beyond it too, so all ten complete pages of the
@@ -191,16 +224,21 @@ def test_a_history_only_the_host_pool_holds_comes_back_a_whole_resident_block_at
     assert h.hisparse.stats()["pages_copied_to_host"] == 668 // PAGE
     h.kv_cache_manager.evict_blocks(mla_blocks)
 
+    copies = scheduled_copies(h)
     second = h.add_request(shared + prompt(5, 30), max_tokens=8)
     admitted = h.step()
-    assert admitted.new_request_cached_tokens[second.request_id] == m * PAGE
-    assert admitted.num_scheduled_tokens[second.request_id] == 670 - m * PAGE
-    # It starts from host pages alone, then holds pages 8 and 9, computed on the device.
+    assert admitted.new_request_cached_tokens[second.request_id] == 640
+    assert admitted.num_scheduled_tokens[second.request_id] == 670 - 640
+    # Its second resident block is a copy of the first request's (pages 8 and 9 of it).
+    (copy,) = copies
+    assert copy.src_block_id == first_resident[1]
+    assert copy.dst_block_id == h.block_ids(second.request_id)[1][1] != copy.src_block_id
+    # It starts from host pages alone: its one page on the device, page 10, is not complete.
     assert h.hisparse.requests_started_none == 1
-    assert admitted.hisparse_states[second.request_id] == "mixed"
+    assert admitted.hisparse_states[second.request_id] == "none"
     h.run_until_done(max_steps=100)
     stats = h.hisparse.stats()
-    assert stats["host_prefix_pages_reused"] == m and stats["hot_leases"] == 1
+    assert stats["host_prefix_pages_reused"] == 640 // PAGE and stats["hot_leases"] == 1
     assert h.total_preemptions == 0
 
 
@@ -277,3 +315,39 @@ def test_an_unknown_kv_layout_is_refused():
 
     with pytest.raises(ValueError, match="choose from groups, page"), kv_layout("pages"):
         pass
+
+
+def test_no_hit_ends_inside_a_resident_block_that_a_request_writes_in_the_same_step():
+    """The workers copy a block for a hit inside it before the step's forward, so a block
+    whose pages a request computes in that step cannot be copied yet. With an MTP drafter
+    (a hit drops its last page): a request sharing the first resident block of a prompt
+    computed in the same step would end its hit inside that block; it ends at the block's
+    first page instead. Once the block is computed, the same prefix hits to the page."""
+    with page_layout.layout("page"):
+        h = sh.SchedulerHarness.create(
+            model=sh.tiny_glm5_dir(tiny_models.TINY_GLM53),
+            num_blocks=600,
+            attention_config=HISPARSE,
+            max_num_batched_tokens=512,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+            accepted_drafts=lambda n: n,
+            drafter_layers=True,
+        )
+    copies = scheduled_copies(h)
+    resident = h.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
+    assert resident > PAGE
+    rng = random.Random(6)
+    tokens = [rng.randrange(1, 1000) for _ in range(2 * resident - 10)]
+    first = h.add_request(tokens, 4)
+    h.add_request(tokens[:resident] + [rng.randrange(1, 1000) for _ in range(40)], 4, request_id="sharing")
+    step = h.step()
+    assert step.num_scheduled_tokens[first.request_id] == len(tokens)
+    assert step.new_request_cached_tokens["sharing"] == 0
+    assert not copies
+    first_resident = h.block_ids(first.request_id)[-1]
+    h.run_until_done(max_steps=100)
+    h.add_request(tokens[:resident] + [rng.randrange(1, 1000) for _ in range(40)], 4, request_id="later")
+    assert h.step().new_request_cached_tokens["later"] == resident - PAGE
+    (copy,) = copies
+    assert copy.src_block_id == first_resident[0]
+    h.run_until_done(max_steps=100)

@@ -102,6 +102,7 @@ class Admissions:
         nothing_runs: Callable[[], bool] = lambda: False,
         chunk_tokens: int = 0,
         lookahead_tokens: int = 0,
+        history_only: Callable[[KVCacheBlock], bool] = lambda block: False,
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -120,6 +121,8 @@ class Admissions:
         # The most tokens a step schedules for one request, and a drafter's lookahead slots.
         self.chunk_tokens = chunk_tokens
         self.lookahead_tokens = lookahead_tokens
+        # Whether a block's one reference is a finished session's held history (histories.py).
+        self._history_only = history_only
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
 
@@ -261,6 +264,16 @@ class Admissions:
         comes from the host pool where it holds one, else the hit ends there. Without
         that cap, a history cached on the device could take the free blocks the
         request's own chunk needs, and the engine would wait for ever.
+
+        In the page layout a resident block holds m pages, and the hit may end on any
+        page of one (the last resident block of a history that is not full is found by
+        its partial entry, `KVCacheBlockAccess.cache_pages`); the drafter's drop is then
+        one page. vLLM gives the request a private copy of a resident block its hit ends
+        inside (copy-on-write, run by the workers before the step's forward), so only a
+        block whose pages no request computes in this step may be copied: one in the free
+        queue, or held alone as a finished session's history (`_final`); when no request
+        runs, the room left must hold the copy too. A hit ending inside another block ends
+        at its first page instead.
         """
         capped = self._nothing_runs()
         room = 0
@@ -273,39 +286,69 @@ class Admissions:
         mla_ids, other_ids = self.blocks.mla_group_ids, self.blocks.other_group_ids
         start = num_tokens // self.block_size
         max_pages = (request.num_tokens - 1) // self.block_size
-        # The page layout's resident blocks hold m pages each: the hit grows and ends a whole
-        # resident block at a time (upstream's device hit ends on one).
+        # The page layout's resident blocks hold m pages each; upstream's device hit ends on
+        # a whole one, where the walk starts.
         m = self.blocks.resident_multiple
         if start % m:
             return blocks, num_tokens
-        max_pages -= (max_pages - start) % m if max_pages > start else 0
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
         other_page, mla_page = self.blocks.page_lookup(other_ids), self.blocks.page_lookup(mla_ids)
+        hashes = request.block_hashes
+        resident: dict[int, tuple[list[KVCacheBlock] | None, int]] = {}
+        room_left = room  # alone: the room the pages taken leave
+
+        def resident_block(first: int) -> tuple[list[KVCacheBlock] | None, int]:
+            """The other groups' blocks of the resident block starting at page `first`, and
+            the end of the pages of it the walk may take (`first` when none)."""
+            if first not in resident:
+                found: tuple[list[KVCacheBlock] | None, int] = (None, first)
+                # The longest entry of the block: its full one, else its partial one.
+                for last in range(min(first + m, len(hashes)) - 1, first - 1, -1):
+                    other = other_page(hashes[last])
+                    if other is not None:
+                        found = (other, min(last + 1, max_pages))
+                        break
+                resident[first] = found
+            return resident[first]
 
         def walks(position: int) -> bool:
             """Whether the walk takes this page (the loop's test, without the cap)."""
             if position >= max_pages:
                 return False
-            block_hash = request.block_hashes[position]
-            first = position - (position - start) % m
-            return other_page(request.block_hashes[first + m - 1]) is not None and (
+            block_hash = hashes[position]
+            return resident_block(position - (position - start) % m)[1] > position and (
                 mla_page(block_hash) is not None or self.host_pool.lookup(block_hash) is not None
             )
+
+        def ends_at(num_pages: int) -> int:
+            """The pages a hit of `num_pages` keeps: all of them where it ends on a resident
+            block or inside one that may be copied (alone, with room for the copy), else up
+            to that block's first page."""
+            inside = num_pages % m
+            if inside and not (
+                self._final(pages[num_pages - inside][1]) and (not capped or room_left >= len(other_ids))
+            ):
+                return num_pages - inside
+            return num_pages
 
         # Pages whose blocks the record guards already; the first page whose lease failed.
         guarded = 0
         no_lease_at: int | None = None
+        block_end = start
         for position in range(start, max_pages):
-            block_hash = request.block_hashes[position]
+            block_hash = hashes[position]
             if (position - start) % m == 0:
                 # The other groups' blocks of the resident block starting here (the hash of
-                # its last page names it), none for the pages inside it.
-                other = other_page(request.block_hashes[position + m - 1])
+                # its last page, or of the last page its partial entry holds, names it),
+                # none for the pages inside it.
+                other, block_end = resident_block(position)
                 if other is None:
                     break  # the indexer K cache of this page is gone: recompute from here
             else:
                 other = []
+                if position >= block_end:
+                    break  # past the pages the resident block's entry holds
             mla = mla_page(block_hash)
             if capped:
                 room -= sum(b.ref_cnt == 0 for b in other)
@@ -337,12 +380,14 @@ class Admissions:
                         break
                 host_pages[PageIndex(position)] = host_page
             pages.append((mla, other))
-        if len(pages) % m:
-            # Only whole resident blocks: the pages of a block the walk did not finish go.
-            self._unguard(record, pages[len(pages) - len(pages) % m :])
-            for position in range(start + len(pages) - len(pages) % m, start + len(pages)):
+            room_left = room
+        kept_pages = ends_at(len(pages))
+        if kept_pages < len(pages):
+            # The pages of a resident block the hit may not end inside go.
+            self._unguard(record, pages[kept_pages:])
+            for position in range(start + kept_pages, start + len(pages)):
                 host_pages.pop(PageIndex(position), None)
-            del pages[len(pages) - len(pages) % m :]
+            del pages[kept_pages:]
             guarded = min(guarded, len(pages))
         if no_lease_at is not None:
             # The copies the request wants stay the most recently used, as if taken and
@@ -352,14 +397,17 @@ class Admissions:
         if pages and self.blocks.use_eagle:
             # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
             # the hidden states it drafts from (the device hit already dropped one; in the
-            # page layout, a whole resident block).
+            # page layout, one page, or a whole resident block where the hit may not end
+            # inside it).
+            num_pages = len(pages)
+            kept_pages = ends_at(num_pages - 1)
             if m > 1:
-                self._unguard(record, pages[-m:])
-            del pages[-m:]
+                self._unguard(record, pages[kept_pages:])
+            del pages[kept_pages:]
             guarded = min(guarded, len(pages))
             dropped = [
                 host_pages.pop(PageIndex(p))
-                for p in range(start + len(pages), start + len(pages) + m)
+                for p in range(start + len(pages), start + num_pages)
                 if PageIndex(p) in host_pages
             ]
             if dropped:
@@ -382,7 +430,7 @@ class Admissions:
             # Without host pages only the pages every group still caches count (with a
             # drafter, the device hit's dropped page can be one).
             kept = list(itertools.takewhile(lambda page: page[0] is not None, pages))
-            del kept[len(kept) - len(kept) % m :]
+            del kept[ends_at(len(kept)) :]
             if len(kept) < len(pages):
                 unused = {b.block_id for mla, other in pages[len(kept) :] for b in (mla or []) + other}
                 record.hit = [b for b in record.hit if b.block_id not in unused]
@@ -391,6 +439,12 @@ class Admissions:
                 return blocks, num_tokens
         record.host_pages = host_pages
         return self._extension(blocks, num_tokens, pages)
+
+    def _final(self, other: list[KVCacheBlock]) -> bool:
+        """Whether a resident block's blocks may be copied for a hit ending inside it: no
+        request computes pages into them in this step (each is in the free queue, or a
+        finished session's held history is its one reference)."""
+        return all(b.ref_cnt == 0 or self._history_only(b) for b in other)
 
     @staticmethod
     def _unguard(
@@ -500,6 +554,8 @@ class Admissions:
         record = self._records.get(request.request_id)
         if record is None:
             record = self.begin(request, new_computed_blocks)
+        else:
+            self._cut_walk(record, new_computed_blocks, num_local_tokens)
         if num_external_tokens <= 0 or not executable or self.import_kind is ImportKind.DEVICE:
             return new_computed_blocks, num_external_tokens  # the connector loads every group
         if self.import_kind is ImportKind.LANDS_ON_HOST:
@@ -566,6 +622,18 @@ class Admissions:
         record.restores = self._retained(restores)
         record.host_pages.update(self._retained(on_host))
         return self.blocks.with_host_placeholders(new_computed_blocks, len(on_host)), num_external_tokens
+
+    def _cut_walk(self, record: PendingAdmission, blocks: KVCacheBlocks, num_local_tokens: int) -> None:
+        """The scheduler cut the walk's hit to `num_local_tokens` (vLLM drops a hit's part
+        inside a resident block when a connector's hit goes further, to load that block
+        whole): the host pages and guarded blocks past the cut go."""
+        end = num_local_tokens // self.block_size
+        past = {p: page for p, page in record.host_pages.items() if p >= end}
+        if past:
+            self._release_host_pages(past)
+            record.host_pages = {p: page for p, page in record.host_pages.items() if p < end}
+        kept = {b.block_id for group in blocks.blocks for b in group}
+        record.hit = [b for b in record.hit if b.block_id in kept]
 
     def _retained(self, pages: dict[PageIndex, HostPage]) -> dict[PageIndex, HostPage]:
         """`pages`, each retained for the caller (looked up in this same step)."""

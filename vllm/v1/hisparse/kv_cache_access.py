@@ -291,13 +291,18 @@ class KVCacheBlockAccess:
 
     def cache_pages(self, request: Request, num_tokens: int) -> None:
         """Commit the request's complete sparse-MLA pages among its first `num_tokens` tokens
-        to the prefix cache, page by page.
+        to the prefix cache, page by page, and make its last resident block reachable from
+        its last complete page.
 
         Upstream commits a layout's blocks only up to a whole block of its coarsest group,
-        where any hit must end; in the page layout that would leave up to m - 1 complete
-        pages of every request out of the prefix cache, so residency could neither copy
-        nor demote them. Committing them costs nothing else: a hit still ends at a whole
-        resident block. A no-op where every group has one page per block."""
+        and a resident block that is not full only at the prompt's last page boundary; in
+        the page layout that would leave up to m - 1 complete pages of every request out
+        of the prefix cache, so residency could neither copy nor demote them, and the next
+        turn of a session would recompute them. The resident block not yet full gets a
+        partial entry at the last complete page (vLLM's `cache_partial_block`, one entry
+        per block, the longest), so a hit may end on any page: the request it serves
+        writes the pages past its hit into a private copy of that block (vLLM's
+        copy-on-write of a partial hit). A no-op where every group has one page per block."""
         if self.resident_multiple == 1:
             return
         if self.use_eagle:
@@ -305,6 +310,25 @@ class KVCacheBlockAccess:
             num_tokens -= self._manager.coordinator.num_reprefillable_tokens
         for manager in self._mla:
             manager.cache_blocks(request, num_tokens)
+        self._cache_resident_tail(request, num_tokens)
+
+    def _cache_resident_tail(self, request: Request, num_tokens: int) -> None:
+        """A partial prefix-cache entry for the request's resident block that holds its last
+        complete page among its first `num_tokens` tokens, where that block is not full."""
+        page = self._mla[0].block_size
+        boundary = num_tokens // page * page
+        resident = page * self.resident_multiple
+        if boundary <= 0 or boundary % resident == 0 or boundary // page > len(request.block_hashes):
+            return
+        index = boundary // resident
+        for group_id in self.other_group_ids:
+            table = self._groups[group_id].req_to_blocks.get(request.request_id)
+            if not table or index >= len(table):
+                continue
+            block = table[index]
+            if block.is_null or (block.block_hash_num_tokens or 0) >= boundary:
+                continue
+            self._pool.cache_partial_block(request, block, boundary, group_id, resident)
 
     def num_cached_pages(self, request_id: str) -> int:
         """Pages of the request every sparse-MLA group has committed to the prefix cache."""

@@ -181,6 +181,7 @@ class HiSparseScheduling:
             nothing_runs=lambda: not self.scheduler.running,
             chunk_tokens=scheduler.scheduler_config.max_num_batched_tokens,
             lookahead_tokens=scheduler.num_lookahead_tokens,
+            history_only=lambda block: block.ref_cnt == 1 and self.histories.holds(block.block_id),
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):
