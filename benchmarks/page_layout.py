@@ -100,8 +100,8 @@ def counting(counts: collections.Counter[str]) -> Iterator[None]:
 SCENARIOS = ("pressure", "no-pressure")
 
 
-def simulate(config: str, args: argparse.Namespace, scenario: str) -> dict[str, Any]:
-    """One simulator record (the simulator's own command line, in this process)."""
+def simulate(config: str, args: argparse.Namespace, scenario: str, kv_layout: str) -> dict[str, Any]:
+    """One simulator record on `kv_layout` (the simulator's own command line, in this process)."""
     from vllm.v1.hisparse.capacity.simulate import main
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,12 +111,16 @@ def simulate(config: str, args: argparse.Namespace, scenario: str) -> dict[str, 
             *("--workload", "openhands", "--turns", str(args.turns)),
             *("--concurrency", str(args.concurrency), "--configs", config),
             *("--jobs", "1", "--format", "json", "--output", str(out)),
+            *("--kv-layout", kv_layout),
         ]
         if scenario == "no-pressure":
             argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
         if main(argv) != 0:
             raise SystemExit(f"the simulation of {config} failed")
-        (record,) = json.loads(out.read_text())["records"]
+        document = json.loads(out.read_text())
+        if document.get("kv_layout", "groups") != kv_layout:
+            raise SystemExit(f"the simulation ran {document.get('kv_layout')!r}, not {kv_layout!r}")
+        (record,) = document["records"]
     return record
 
 
@@ -136,8 +140,10 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     outcome: dict[str, dict[str, Any]] = {}
     for repeat in range(args.repeats):
         for name in ("groups", "page", "offload") if repeat % 2 == 0 else ("page", "groups", "offload"):
-            with layout("groups" if name == "offload" else name):
-                record = simulate("offload" if name == "offload" else "hybrid", args, scenario)
+            if name == "offload":
+                record = simulate("offload", args, scenario, "groups")
+            else:
+                record = simulate("hybrid", args, scenario, name)
             if scenario == "no-pressure" and record["pages_demoted"]:
                 raise SystemExit(
                     f"{name}: {record['pages_demoted']} pages were demoted; give a larger "
@@ -152,8 +158,8 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
     work: dict[str, dict[str, float]] = {}
     for name in ("groups", "page"):
         counts: collections.Counter[str] = collections.Counter()
-        with layout(name), counting(counts):
-            record = simulate("hybrid", args, scenario)
+        with counting(counts):
+            record = simulate("hybrid", args, scenario, name)
         work[name] = {key: value / record["steps"] for key, value in sorted(counts.items())}
     rows = {
         name: {

@@ -249,8 +249,8 @@ def test_the_simulator_runs_the_page_layout_when_asked_and_says_so(tmp_path, mon
     calls = []
     page_groups = kv_grouping.page_layout_kv_cache_groups
 
-    def spy(vllm_config, kv_cache_spec):
-        groups = page_groups(vllm_config, kv_cache_spec)
+    def spy(vllm_config, kv_cache_spec, layers=None):
+        groups = page_groups(vllm_config, kv_cache_spec, layers)
         if groups is not None:  # None where HiSparse is off (the planner's other configurations)
             calls.append(len(groups))
         return groups
@@ -351,3 +351,17 @@ def test_no_hit_ends_inside_a_resident_block_that_a_request_writes_in_the_same_s
     (copy,) = copies
     assert copy.src_block_id == first_resident[0]
     h.run_until_done(max_steps=100)
+
+
+def test_the_benchmark_runs_each_layout_it_names(tmp_path):
+    """`benchmarks/page_layout.py` asks the simulator for each layout by its flag: the page
+    layout's block pool allocates a block per page plus one per m pages, not 14 per page
+    (when the simulator's own `--kv-layout` default overrode a layout set around it, both
+    rows were HiSparse's groups)."""
+    out = tmp_path / "page_layout.json"
+    argv = ["--concurrency", "2", "--turns", "1", "--repeats", "1", "--scenarios", "pressure"]
+    assert page_layout.main([*argv, "--output", str(out)]) == 0
+    layouts = json.loads(out.read_text())["scenarios"]["pressure"]["layouts"]
+    groups, page = (layouts[name]["work_per_step"]["blocks allocated"] for name in ("groups", "page"))
+    assert page * 10 < groups
+    assert layouts["page"]["new_prompt_tokens"] == layouts["groups"]["new_prompt_tokens"] > 0

@@ -117,8 +117,8 @@ class HiSparseConfig:
     """"groups": k sparse-MLA KV cache groups plus one resident group (indexer and MTP
     layers), every group in 64-token blocks, so a page costs k + 1 blocks. "page": one
     sparse-MLA group (a page is one block) plus a resident group whose blocks hold m
-    pages, which cuts the scheduler's per-block work several-fold at 32-64 long sessions
-    but hits a session's prefix only at whole resident blocks (m x 64 tokens)."""
+    pages, which cuts the scheduler's per-block work several-fold at 32-64 long sessions;
+    a prefix hit ending inside a resident block takes a private copy of it."""
 
     @model_validator(mode="before")
     @classmethod

@@ -62,6 +62,8 @@ class PendingAdmission:
     restores: dict[PageIndex, HostPage] = field(default_factory=dict)
     # The hot lease the HOST pages need, one reference per block.
     lease: list[BlockId] = field(default_factory=list)
+    # The local hit the walk returned, in tokens.
+    hit_tokens: int = 0
     # The request's blocks are allocated (its table holds the hit, restores are planned): the record
     # waits for the request's first scheduled step, possibly after a connector's load.
     allocated: bool = False
@@ -102,7 +104,7 @@ class Admissions:
         nothing_runs: Callable[[], bool] = lambda: False,
         chunk_tokens: int = 0,
         lookahead_tokens: int = 0,
-        history_only: Callable[[KVCacheBlock], bool] = lambda block: False,
+        written: Callable[[], set[int]] = set,
     ) -> None:
         self.blocks = blocks
         self.residency = residency
@@ -121,8 +123,8 @@ class Admissions:
         # The most tokens a step schedules for one request, and a drafter's lookahead slots.
         self.chunk_tokens = chunk_tokens
         self.lookahead_tokens = lookahead_tokens
-        # Whether a block's one reference is a finished session's held history (histories.py).
-        self._history_only = history_only
+        # The blocks running requests may write from this step on.
+        self._written = written
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
 
@@ -246,6 +248,13 @@ class Admissions:
     def extend_prefix_hit(
         self, request: Request, blocks: KVCacheBlocks, num_tokens: int
     ) -> tuple[KVCacheBlocks, int]:
+        """Guard a device prefix hit, and extend it with pages the host pool still holds
+        (`_walk`)."""
+        blocks, num_tokens = self._walk(request, blocks, num_tokens)
+        self._records[request.request_id].hit_tokens = num_tokens
+        return blocks, num_tokens
+
+    def _walk(self, request: Request, blocks: KVCacheBlocks, num_tokens: int) -> tuple[KVCacheBlocks, int]:
         """Guard a device prefix hit, and extend it with pages the host pool still holds.
 
         Page by page past the device hit: the indexer blocks must still be cached
@@ -270,10 +279,9 @@ class Admissions:
         its partial entry, `KVCacheBlockAccess.cache_pages`); the drafter's drop is then
         one page. vLLM gives the request a private copy of a resident block its hit ends
         inside (copy-on-write, run by the workers before the step's forward), so only a
-        block whose pages no request computes in this step may be copied: one in the free
-        queue, or held alone as a finished session's history (`_final`); when no request
-        runs, the room left must hold the copy too. A hit ending inside another block ends
-        at its first page instead.
+        block whose pages no request computes in this step may be copied: one no running
+        request may write (`_final`); when no request runs, the room left must hold the
+        copy too. A hit ending inside another block ends at its first page instead.
         """
         capped = self._nothing_runs()
         room = 0
@@ -442,9 +450,12 @@ class Admissions:
 
     def _final(self, other: list[KVCacheBlock]) -> bool:
         """Whether a resident block's blocks may be copied for a hit ending inside it: no
-        request computes pages into them in this step (each is in the free queue, or a
-        finished session's held history is its one reference)."""
-        return all(b.ref_cnt == 0 or self._history_only(b) for b in other)
+        request computes pages into them in this step (each is in the free queue, or no
+        running request may write it: a finished request's, a held history's)."""
+        if all(b.ref_cnt == 0 for b in other):
+            return True
+        written = self._written()
+        return not any(b.block_id in written for b in other)
 
     @staticmethod
     def _unguard(
@@ -554,7 +565,7 @@ class Admissions:
         record = self._records.get(request.request_id)
         if record is None:
             record = self.begin(request, new_computed_blocks)
-        else:
+        elif num_local_tokens < record.hit_tokens:
             self._cut_walk(record, new_computed_blocks, num_local_tokens)
         if num_external_tokens <= 0 or not executable or self.import_kind is ImportKind.DEVICE:
             return new_computed_blocks, num_external_tokens  # the connector loads every group

@@ -93,9 +93,6 @@ class HeldHistories:
             del self._holder[block_id]
         return self._blocks.give_back(block_ids)
 
-    def holds(self, block_id: int) -> bool:
-        return block_id in self._holder
-
     def __len__(self) -> int:
         return len(self._holder)
 

@@ -289,6 +289,14 @@ class KVCacheBlockAccess:
                     ids.append(block.block_id)
         return ids
 
+    def blocks_from(self, request_id: str, num_tokens: int) -> Iterator[int]:
+        """The request's blocks in the groups outside the sparse-MLA ones from the one
+        holding token `num_tokens` on."""
+        for group_id in self.other_group_ids:
+            manager = self._groups[group_id]
+            for block in manager.req_to_blocks.get(request_id, ())[num_tokens // manager.block_size :]:
+                yield block.block_id
+
     def cache_pages(self, request: Request, num_tokens: int) -> None:
         """Commit the request's complete sparse-MLA pages among its first `num_tokens` tokens
         to the prefix cache, page by page, and make its last resident block reachable from

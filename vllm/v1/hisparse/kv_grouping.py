@@ -187,7 +187,7 @@ def hisparse_kv_cache_groups(
     hisparse = vllm_config.attention_config.hisparse_config
     assert hisparse is not None
     if (_kv_layout or hisparse.kv_layout) == "page":
-        return page_layout_kv_cache_groups(vllm_config, kv_cache_spec)
+        return page_layout_kv_cache_groups(vllm_config, kv_cache_spec, layers)
     mla, resident, drafter = layers
     mla_page = kv_cache_spec[mla[0]].page_size_bytes
     resident_width = sum(kv_cache_spec[name].page_size_bytes for name in resident)
@@ -227,13 +227,15 @@ def page_layout_capacity(multiple: int, mla_width: int, resident_width: int) -> 
 
 def choose_resident_block_multiple(mla_width: int, resident_width: int) -> int:
     """Pages per resident block in the page layout: the most capacity, the finer on a tie
-    (a resident block is the granularity of the resident group's prefix hits)."""
+    (a prefix hit ending inside a resident block copies it whole)."""
     upper = max(1, -(-mla_width // resident_width))
     return max(range(1, upper + 1), key=lambda m: (page_layout_capacity(m, mla_width, resident_width), -m))
 
 
 def page_layout_kv_cache_groups(
-    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+    vllm_config: VllmConfig,
+    kv_cache_spec: dict[str, KVCacheSpec],
+    layers: tuple[list[str], list[str], list[str]] | None = None,
 ) -> list[KVCacheGroupSpec] | None:
     """The page layout's groups: every sparse-MLA layer in one group, one block per page
     (so a page is one block, allocated, cached and freed once), and the resident layers
@@ -241,9 +243,10 @@ def page_layout_kv_cache_groups(
     groups' blocks are about as wide and share the one pool at any ratio.
 
     `hisparse_config.kv_layout: "page"` chooses them. The workers lay each block out with
-    `page_layout_block_bytes` and `interleave_resident_pages`.
+    `page_layout_block_bytes` and `interleave_resident_pages`. `layers`: the model's
+    sparse-MLA, resident and drafter layers, where the caller has them already.
     """
-    layers = _hisparse_layers(vllm_config, kv_cache_spec)
+    layers = layers or _hisparse_layers(vllm_config, kv_cache_spec)
     if layers is None:
         return None
     mla, resident, drafter = layers
@@ -294,11 +297,6 @@ def page_layout_multiple(groups: Sequence[KVCacheGroupSpec]) -> int | None:
     return resident // page
 
 
-def _layer_spec(group: KVCacheGroupSpec, name: str) -> KVCacheSpec:
-    spec = group.kv_cache_spec
-    return spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-
-
 def page_layout_block_bytes(groups: Sequence[KVCacheGroupSpec]) -> int | None:
     """Bytes of one block of the page layout's pool; None for any other grouping.
 
@@ -312,6 +310,8 @@ def page_layout_block_bytes(groups: Sequence[KVCacheGroupSpec]) -> int | None:
     multiple = page_layout_multiple(groups)
     if multiple is None:
         return None
+    from vllm.v1.core.kv_cache_utils import _get_per_layer_spec as _layer_spec
+
     mla, resident = groups
     mla_width = sum(_layer_spec(mla, name).page_size_bytes for name in mla.layer_names)
     resident_width = sum(_layer_spec(resident, name).page_size_bytes for name in resident.layer_names)
@@ -338,6 +338,8 @@ def interleave_resident_pages(
     multiple = page_layout_multiple(groups)
     if multiple is None:
         return tensors
+    from vllm.v1.core.kv_cache_utils import _get_per_layer_spec as _layer_spec
+
     resident = groups[1]
     names = set(resident.layer_names)
     out, offset = [], 0

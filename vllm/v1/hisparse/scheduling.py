@@ -181,7 +181,7 @@ class HiSparseScheduling:
             nothing_runs=lambda: not self.scheduler.running,
             chunk_tokens=scheduler.scheduler_config.max_num_batched_tokens,
             lookahead_tokens=scheduler.num_lookahead_tokens,
-            history_only=lambda block: block.ref_cnt == 1 and self.histories.holds(block.block_id),
+            written=self._blocks_written,
         )
         self.blocks.guard_with(self.admissions.hit_blocks)
         if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):
@@ -504,6 +504,14 @@ class HiSparseScheduling:
         """Whether the device is short of blocks: pages live only in the host pool (relief
         demoted them, or mode "always" does), or allocations already evict cached blocks."""
         return self.residency.pages_by_state()[PageState.HOST] > 0 or self.blocks.front_is_cached()
+
+    def _blocks_written(self) -> set[int]:
+        """The blocks outside the sparse-MLA groups that running requests may write from this
+        step on: each one's blocks from the one holding its next token."""
+        written: set[int] = set()
+        for request in self.scheduler.running:
+            written.update(self.blocks.blocks_from(request.request_id, request.num_computed_tokens))
+        return written
 
     def _release_histories_for_admission(self, num_blocks: int) -> int:
         """An admission's hot lease finds no room after demotion: held histories make room

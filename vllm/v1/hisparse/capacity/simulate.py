@@ -51,7 +51,7 @@ from vllm.v1.hisparse.capacity.step_model import (
     StepModel,
     load_constants,
 )
-from vllm.v1.hisparse.kv_grouping import KV_LAYOUTS, kv_layout
+from vllm.v1.hisparse.kv_grouping import KV_LAYOUTS, kv_layout, page_layout_block_bytes
 from vllm.v1.hisparse.ownership import OwnershipError
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ MEASURED = (
     "new_prompt_tokens",
     "pages_demoted",
     "host_pages_used_max",
+    "blocks_copied_on_device",
     "steps",
     "scheduler_ms_per_step",
     "scheduler_ms_p99",
@@ -177,6 +178,9 @@ class Record:
     recomputed_prompt_tokens: int = 0
     pages_demoted: int = 0
     host_pages_used_max: int = 0
+    # Blocks the scheduler asked the workers to copy on the device: the page layout's
+    # resident blocks that prefix hits end inside (vLLM's copy-on-write).
+    blocks_copied_on_device: int = 0
     requests_failed: int = 0
     bytes_to_host: int = 0
     bytes_from_host: int = 0
@@ -359,6 +363,8 @@ class Simulation:
 
             self.page_bytes = sparse_mla_page_bytes(vllm_config)
         self.connector_block_bytes = self._connector_block_bytes()
+        # One block of the page layout's pool on a GPU (the only layout whose hits copy blocks).
+        self.block_bytes = page_layout_block_bytes(kv_cache_config.kv_cache_groups) or 0
         self.rng = random.Random(seed)
 
     # ----------------------------------------------------------------- set-up
@@ -468,6 +474,11 @@ class Simulation:
                 seconds += self.model.host_rows_seconds(rows)
                 if resolves:
                     seconds += self.model.resolver_seconds()
+                if output.kv_cache_block_copies:
+                    record.blocks_copied_on_device += len(output.kv_cache_block_copies)
+                    seconds += self.model.device_copy_seconds(
+                        len(output.kv_cache_block_copies) * self.block_bytes
+                    )
                 restore_bytes = restores * self.page_bytes
                 if restore_bytes:
                     seconds += restore_bytes / self.h2d.bytes_per_s

@@ -326,6 +326,11 @@ class StepModel:
         row_bytes = rows_per_layer * self.shape.sparse_row_bytes * self.shape.num_layers
         return row_bytes / self.c["row_h2d_bytes_per_s"]
 
+    def device_copy_seconds(self, nbytes: int) -> float:
+        """Blocks copied on the device (vLLM's copy-on-write of a block a hit ends inside),
+        read and written at HBM bandwidth, before the forward."""
+        return 2 * nbytes / (self.c["hbm_bytes_per_s"] * self.c["hbm_efficiency"])
+
     def host_rows_bytes(self, rows_per_layer: int) -> int:
         return rows_per_layer * self.shape.sparse_row_bytes * self.shape.num_layers
 
