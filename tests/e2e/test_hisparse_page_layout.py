@@ -123,6 +123,9 @@ def test_the_page_layout_keeps_the_tokens_with_and_without_pressure(model, monke
     assert cached2 == [n // PAGE * PAGE for n in histories], (cached2, histories)
     assert any(c % (M * PAGE) for c in cached2)
     assert copies, "a hit inside a resident block took a private copy of it"
+    copied = stats["resident_blocks_copied"]
+    assert 0 < copied <= len(copies), "(`copies` holds the reference's too)"
+    assert exported["vllm:hisparse_resident_blocks_copied"] == copied
     assert cached2 == ref_cached2
     assert tokens == ref_tokens
     assert tokens2 == ref_tokens2

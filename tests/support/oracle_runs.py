@@ -59,6 +59,7 @@ EXPORTED_COUNTERS = (
     "vllm:hisparse_rows_loaded",
     "vllm:hisparse_rows_hit",
     "vllm:hisparse_host_prefix_pages_reused",
+    "vllm:hisparse_resident_blocks_copied",
     "vllm:hisparse_bytes_to_host",
     "vllm:hisparse_bytes_from_host",
 )

@@ -119,6 +119,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Released host-backed sparse-MLA blocks put first in the device's eviction order under pressure.",
         "blocks_evicted_first",
     ),
+    "vllm:hisparse_resident_blocks_copied": (
+        "Resident blocks (the page layout's m-page indexer and drafter blocks) copied on the device "
+        "for prefix hits that end inside one.",
+        "resident_blocks_copied",
+    ),
     "vllm:hisparse_connector_hits_cut": (
         "KV connector hits cut short where the host pool's pages of them ended (the rest is recomputed).",
         "connector_hits_cut",

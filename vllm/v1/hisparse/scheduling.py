@@ -159,6 +159,9 @@ class HiSparseScheduling:
         # has freed the rest (`after_free`); and how many went first in the eviction order.
         self._host_backed: list[KVCacheBlock] = []
         self.blocks_evicted_first = 0
+        # Blocks vLLM copied on the device for prefix hits ending inside one (the page
+        # layout's resident blocks: copy-on-write).
+        self.resident_blocks_copied = 0
         # Rows of the staging budget the pool could not spare (those chunks took more passes).
         self.staging_rows_short = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
@@ -535,6 +538,7 @@ class HiSparseScheduling:
         # A record whose request was not allocated goes back; one waiting for a
         # connector's load keeps everything until the request is scheduled.
         self.admissions.end_step()
+        self.resident_blocks_copied += len(scheduler_output.kv_cache_block_copies or ())
         copies = []
         if self.issue_plans:
             # Also in a step that schedules no token: the workers run every step's plan.
@@ -826,6 +830,8 @@ class HiSparseScheduling:
             host_hits_without_lease=self.admissions.counters.hits_without_lease,
             # Released host-backed sparse-MLA blocks put first in the eviction order.
             blocks_evicted_first=self.blocks_evicted_first,
+            # Resident blocks copied for prefix hits ending inside one (the page layout).
+            resident_blocks_copied=self.resident_blocks_copied,
             # Finished sessions' indexer (and drafter) blocks held on the device, and those
             # given back because demotion could not free enough.
             history_blocks_held=len(self.histories),
