@@ -128,11 +128,14 @@ def glm53_model() -> str:
     [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
 )
 @pytest.mark.parametrize("drafter", [False, True], ids=["no-drafter", "mtp"])
+@pytest.mark.parametrize("layout", ["groups", "page"])
 def test_random_multi_turn_sessions_keep_one_owner_per_block_page_and_copy(
-    model, glm53_model, tmp_path, connector, async_scheduling, drafter, seed
+    model, glm53_model, tmp_path, connector, async_scheduling, drafter, seed, layout
 ):
-    """Without a drafter on the six-layer tiny GLM-5; with one on the tiny GLM-5.3."""
-    run_stress(glm53_model if drafter else model, tmp_path, connector, async_scheduling, seed, drafter)
+    """Without a drafter on the six-layer tiny GLM-5; with one on the tiny GLM-5.3. On
+    HiSparse's groups and on the page layout."""
+    model = glm53_model if drafter else model
+    run_stress(model, tmp_path, connector, async_scheduling, seed, drafter, layout)
 
 
 # Cases the long run (`make stress`) found failing, kept in every run. With a KV consumer's
@@ -153,19 +156,6 @@ def test_cases_the_long_run_found_keep_one_owner_per_block_page_and_copy(
 # local hit ending inside a resident block: vLLM cut the local hit back to the block's first
 # page, and the host pages the admission had taken past the cut were left in its record.
 PAGE_LAYOUT_FOUND = [("offloading", True, 7109)]
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize(
-    ("connector", "async_scheduling"),
-    [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
-)
-@pytest.mark.parametrize("drafter", [False, True], ids=["no-drafter", "mtp"])
-def test_the_page_layout_keeps_one_owner_per_block_page_and_copy(
-    model, glm53_model, tmp_path, connector, async_scheduling, drafter, seed
-):
-    model = glm53_model if drafter else model
-    run_stress(model, tmp_path, connector, async_scheduling, seed, drafter, layout="page")
 
 
 @pytest.mark.parametrize(("connector", "async_scheduling", "seed"), PAGE_LAYOUT_FOUND)
