@@ -261,6 +261,54 @@ def test_a_request_whose_pages_cannot_be_registered_fails_alone(model, monkeypat
     assert h.hisparse.residency.host_pool.num_referenced == 0
 
 
+@pytest.mark.parametrize("broken", ["append_host_pages", "append_restored_page"])
+def test_a_hit_whose_host_pages_cannot_be_registered_returns_its_lease_and_host_pages(
+    model, monkeypatch, broken
+):
+    """An injected fault where a session's next turn registers the pages of its hit that the
+    host pool holds: its host prefix hit's pages and hot lease, or the pages an
+    OffloadingConnector hit restores. The turn ends with an error; every host page reference
+    and every block it held comes back (none was handed over and dropped)."""
+    from vllm.v1.hisparse.residency import ResidencyManager
+    from vllm.v1.request import RequestStatus
+
+    original = getattr(ResidencyManager, broken)
+    held_at_fault = []
+
+    def broken_for_the_next_turn(self, request_id, *args, **kwargs):
+        if request_id == "T2":
+            held_at_fault.append(self.host_pool.num_referenced)
+            raise ValueError("injected")
+        return original(self, request_id, *args, **kwargs)
+
+    monkeypatch.setattr(ResidencyManager, broken, broken_for_the_next_turn)
+    if broken == "append_host_pages":
+        h = SchedulerHarness.create(model=model, memory_bytes=64 << 20, attention_config=HISPARSE)
+        first_turn = prompt(1, 640)
+        h.add_request(first_turn, max_tokens=2, request_id="T1")
+        h.step()
+        mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids("T1")[g]}
+        h.run_until_done()
+        h.kv_cache_manager.evict_blocks(mla_blocks)
+    else:
+        h = offloading_harness(model, "broken-restore", report_delay=1)
+        first_turn = prompt(1, 400)
+        h.add_request(first_turn, max_tokens=2, request_id="T1")
+        h.run_until_done()
+        assert h.kv_cache_manager.reset_prefix_cache(), "only the connector and the host pool hold T1 now"
+    assert h.hisparse.residency.host_pool.num_referenced == 0
+    next_turn = [*first_turn, *h.requests["T1"].output_token_ids, *prompt(2, 60)]
+    h.add_request(next_turn, max_tokens=4, request_id="T2")
+    h.run_until_done()
+    assert h.requests["T2"].status is RequestStatus.FINISHED_ERROR
+    stats = h.hisparse.stats()
+    assert stats["requests_failed"] == 1
+    assert held_at_fault and held_at_fault[0] > 0, "the turn held host pages when the fault hit"
+    h.hisparse.check_ownership()
+    assert h.hisparse.residency.host_pool.num_referenced == 0
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+
+
 # -------------------------------------------------------------------- negative controls
 
 

@@ -49,7 +49,6 @@ from vllm.v1.hisparse.plan import (
     WORKER_COUNTERS,
     BlockId,
     HiSparseStepPlan,
-    HostPage,
     HotLeaseUpdate,
     PageIndex,
     PageRestore,
@@ -764,7 +763,9 @@ class HiSparseScheduling:
         """As `_register_pages`, for new pages among which the admission placed host pages or
         restores: consecutive pages of one kind pass over in one run each."""
         residency = self.residency
-        run: list[HostPage] = []
+        # The pending run of host pages, by position: each stays the record's until residency
+        # has taken it (a registration that fails gives back what the record still holds).
+        run: list[PageIndex] = []
         run_imported = False
         device_from = start  # the first page of the pending run of device pages
 
@@ -773,8 +774,11 @@ class HiSparseScheduling:
 
         def pass_run() -> None:
             if run:
-                lease, record.lease = record.lease, []
-                residency.append_host_pages(request_id, list(run), lease, imported=run_imported)
+                pages = [record.host_pages[position] for position in run]
+                residency.append_host_pages(request_id, pages, record.lease, imported=run_imported)
+                record.lease = []
+                for position in run:
+                    del record.host_pages[position]
                 run.clear()
 
         for position in range(start, start + len(rows)):
@@ -791,12 +795,13 @@ class HiSparseScheduling:
                 if run and imported != run_imported:
                     pass_run()
                 run_imported = imported
-                run.append(record.host_pages.pop(PageIndex(position)))
+                run.append(PageIndex(position))
                 continue
             pass_run()
             residency.append_restored_page(
-                request_id, rows[position - start], record.restores.pop(PageIndex(position))
+                request_id, rows[position - start], record.restores[PageIndex(position)]
             )
+            del record.restores[PageIndex(position)]
         pass_run()
         pass_device_run(start + len(rows))
 
