@@ -275,11 +275,12 @@ def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
 
 
 def test_a_host_prefix_hit_without_room_for_its_lease_ends_at_its_first_host_page(model, monkeypatch):
-    """A waiting request whose hit reaches host copies but finds no room for a hot lease
-    recomputes its prefix. Its walk stops at the first host page (a turn waiting for room
-    does not look its whole history up every step), it holds no host reference, and the
-    copies it wanted become the host pool's most recently used, in page order (as if taken
-    and given back), so they outlast the others while it waits."""
+    """A waiting request whose hit reaches host copies but finds no room for a hot lease,
+    here one the pool could not hold even empty, recomputes its prefix. Its walk stops at
+    the first host page (a turn waiting for room does not look its whole history up every
+    step), it holds no host reference, and the copies it wanted become the host pool's most
+    recently used, in page order (as if taken and given back), so they outlast the others
+    while it waits."""
     h, shared, first = a_prefix_only_the_host_pool_holds(model)
     pool = h.hisparse.residency.host_pool
     wanted = [pool.lookup(block_hash) for block_hash in first.block_hashes[:10]]
@@ -314,6 +315,76 @@ def test_a_host_prefix_hit_without_room_for_its_lease_ends_at_its_first_host_pag
     walked = set(lookups) & set(second.block_hashes)
     assert walked == {second.block_hashes[0]}, "the walk ends at the first host page"
     assert h.hisparse.stats()["host_hits_without_lease"] == 1
+    run_checked(h)
+
+
+def a_next_turn_behind_runners_that_fill_the_pool(model: str, history_tokens: int, turn_tokens: int):
+    """A finished request's prefix only the host pool holds (its sparse-MLA blocks evicted
+    from the device prefix cache, its indexer blocks still cached), eight requests that fill
+    the device pool and cannot be demoted (a hot buffer as large as their contexts), then
+    the next turn of that prefix with `turn_tokens` new tokens, and one more request behind
+    it. (harness, the next turn, the one behind)"""
+    h = harness(model, 64, hisparse_config(device_buffer_size=1024), max_num_batched_tokens=256)
+    shared = prompt(3, history_tokens)
+    first = h.add_request(shared + prompt(4, 20), max_tokens=8)
+    h.step()
+    mla_blocks = {b for g in range(MLA_GROUPS) for b in h.block_ids(first.request_id)[g]}
+    run_checked(h)
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+    for i in range(8):
+        h.add_request(prompt(20 + i, 950), max_tokens=40)
+    for _ in range(8):
+        h.step()
+    turn = h.add_request(shared + prompt(5, turn_tokens), max_tokens=8)
+    behind = h.add_request(prompt(6, 40), max_tokens=4)
+    return h, turn, behind
+
+
+def test_a_turn_without_room_for_its_lease_waits_for_it_while_others_run(model):
+    """The next turn of a session whose history the host pool holds finds no room for a hot
+    lease while other requests fill the pool. It waits for room instead of recomputing the
+    history (which would take the blocks of every page again and preempt a runner), and no
+    request behind it is admitted meanwhile; when runners finish, it is admitted with the
+    whole history as its hit and computes only its new tokens."""
+    h, turn, behind = a_next_turn_behind_runners_that_fill_the_pool(model, 640, 30)
+    observations = run_checked(h)
+    admitted = next(o for o in observations if turn.request_id in o.num_scheduled_tokens)
+    waited = observations[: observations.index(admitted)]
+    assert admitted.new_request_cached_tokens[turn.request_id] == 640, "the whole history is the hit"
+    assert admitted.num_scheduled_tokens[turn.request_id] == 30
+    assert admitted.hisparse_states[turn.request_id] == "none"
+    assert all(behind.request_id not in o.num_scheduled_tokens for o in waited)
+    # Each step it was tried, it waited (counted once as a try without a lease).
+    waits = [o.hisparse_stats["lease_waits"] for o in waited]
+    assert waits[-1] >= 2 and waits == [o.hisparse_stats["host_hits_without_lease"] for o in waited]
+    assert admitted.hisparse_stats["lease_waits"] == waits[-1]
+    assert h.total_preemptions == 0
+    assert turn.num_output_tokens == 8 and behind.num_output_tokens == 4
+
+
+def test_a_turn_whose_lease_would_not_halve_its_prefill_recomputes_instead_of_waiting(model):
+    """A turn with more new tokens (400) than its history holds (320): the lease would save
+    less than half its prefill, so the turn does not wait for it. It recomputes the history
+    with its new tokens as soon as vLLM finds blocks for its first chunk."""
+    h, turn, _ = a_next_turn_behind_runners_that_fill_the_pool(model, 320, 400)
+    observations = run_checked(h)
+    admitted = next(o for o in observations if turn.request_id in o.num_scheduled_tokens)
+    assert admitted.new_request_cached_tokens[turn.request_id] == 0, "recomputed"
+    stats = observations[-1].hisparse_stats
+    assert stats["lease_waits"] == 0 and stats["host_hits_without_lease"] > 0
+    assert turn.num_output_tokens == 8
+
+
+def test_a_lone_turn_without_a_lease_recomputes_instead_of_waiting(model, monkeypatch):
+    """With no other request running, nothing would make room for a lease the turn waited
+    for: a turn whose lease fails then recomputes its history at once."""
+    h, shared, _ = a_prefix_only_the_host_pool_holds(model)
+    monkeypatch.setattr(h.hisparse.admissions, "_take_lease", lambda request: [])
+    turn = h.add_request(shared + prompt(5, 30), max_tokens=8)
+    admitted = h.step()
+    assert admitted.new_request_cached_tokens[turn.request_id] == 0, "recomputed"
+    assert admitted.hisparse_stats["host_hits_without_lease"] == 1
+    assert admitted.hisparse_stats["lease_waits"] == 0
     run_checked(h)
 
 

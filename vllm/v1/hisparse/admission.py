@@ -70,6 +70,9 @@ class PendingAdmission:
     # No room for a hot lease in this step (the walk's check, or a lease that failed): it
     # is not asked for again for a connector's hit in the same step, and the try counts once.
     no_lease: bool = False
+    # The host pages the hit leaves out for want of that lease (the request would recompute
+    # them): the measure `waits_for_lease` weighs.
+    unleased_pages: int = 0
 
 
 @dataclass
@@ -84,6 +87,9 @@ class AdmissionCounters:
     # found no room for a hot lease: it waits for room, or recomputes the prefix. A turn
     # that waits counts once per step it tries.
     hits_without_lease: int = 0
+    # Steps a request spent waiting for room for its hot lease instead of recomputing the
+    # host pages of its hit (`waits_for_lease`).
+    lease_waits: int = 0
 
 
 class Admissions:
@@ -400,7 +406,9 @@ class Admissions:
         if no_lease_at is not None:
             # The copies the request wants stay the most recently used, as if taken and
             # given back; its hit is the pages before them (each cached in every group).
-            self.host_pool.touch(self._host_copies_from(request, no_lease_at, max_pages))
+            copies = self._host_copies_from(request, no_lease_at, max_pages)
+            self.host_pool.touch(copies)
+            record.unleased_pages = len(copies)
             return self._extension(blocks, num_tokens, pages)
         if pages and self.blocks.use_eagle:
             # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
@@ -439,6 +447,8 @@ class Admissions:
             # drafter, the device hit's dropped page can be one).
             kept = list(itertools.takewhile(lambda page: page[0] is not None, pages))
             del kept[ends_at(len(kept)) :]
+            if record.no_lease:
+                record.unleased_pages = len(pages) - len(kept)
             if len(kept) < len(pages):
                 unused = {b.block_id for mla, other in pages[len(kept) :] for b in (mla or []) + other}
                 record.hit = [b for b in record.hit if b.block_id not in unused]
@@ -484,6 +494,30 @@ class Admissions:
             columns[g] = [other[i] for _, other in pages if other]
         return self.blocks.with_columns(blocks, columns), num_tokens + len(pages) * self.block_size
 
+    def waits_for_lease(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether `request`, about to be admitted without the host pages of its hit (no room
+        for their hot lease in this step), waits for room instead of recomputing them.
+
+        It waits when the lease would at least halve its prefill (the pages left out hold
+        at least as many tokens as it computes with them) and a request runs: running
+        requests free blocks as they finish, and each step's try demotes their BOTH pages
+        for the lease (`_room_for_lease`), so room comes. Recomputing instead would take
+        device blocks for the whole history, the pressure that demoted it, and compute it
+        again. Alone, or with a lease the pool could not hold even with nothing else on
+        it, the request recomputes. vLLM admits no request behind a waiting one in the
+        same step (first come, first served).
+        """
+        record = self._records.get(request.request_id)
+        if record is None or record.allocated or not record.no_lease or self._nothing_runs():
+            return False
+        saved = record.unleased_pages * self.block_size
+        if saved < request.num_tokens - num_computed_tokens - saved:
+            return False
+        if self._alone_needs(request) > len(self.blocks.pool_blocks()) - 1:
+            return False  # the lease and the first chunk would not fit an empty pool
+        self.counters.lease_waits += 1
+        return True
+
     def _room_for_lease(self, request: Request) -> bool:
         """Whether the pool has the request's hot lease free, after demoting other requests'
         BOTH pages for it as `_take_lease` does (no page holding a pending hit's block)."""
@@ -506,13 +540,16 @@ class Admissions:
 
     def room_when_alone(self, request: Request) -> int:
         """Free blocks a hit may touch when no request runs: what the request's first chunk
-        (a whole step's tokens, one page more for an unaligned start and one for a
-        drafter's lookahead, at least three pages, in every group) and its hot lease
-        leave."""
+        and its hot lease (`_alone_needs`) leave."""
+        return self.blocks.num_free_blocks() - self._alone_needs(request)
+
+    def _alone_needs(self, request: Request) -> int:
+        """Blocks the request needs beside its hit: its first chunk (a whole step's tokens,
+        one page more for an unaligned start and one for a drafter's lookahead, at least
+        three pages, in every group) and its hot lease."""
         tokens = min(self.chunk_tokens, request.num_tokens) + self.lookahead_tokens
         chunk_pages = max(3, -(-tokens // self.block_size) + 1)
-        chunk_blocks = self.blocks.blocks_for_pages(0, chunk_pages)
-        return self.blocks.num_free_blocks() - chunk_blocks - self._lease_blocks_for(request)
+        return self.blocks.blocks_for_pages(0, chunk_pages) + self._lease_blocks_for(request)
 
     def _cap_device_hit(
         self, blocks: KVCacheBlocks, num_tokens: int, room: int
@@ -629,6 +666,7 @@ class Admissions:
             # No room for the lease in this step (found by the walk, or now): the copies the
             # request wants stay the most recently used, as if taken and given back.
             self.host_pool.touch(hit.values())
+            record.unleased_pages += len(hit)
             return new_computed_blocks, 0
         record.restores = self._retained(restores)
         record.host_pages.update(self._retained(on_host))

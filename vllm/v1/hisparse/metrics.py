@@ -133,6 +133,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "for a hot lease: the request waits for room or recomputes the prefix; once per step it tries.",
         "host_hits_without_lease",
     ),
+    "vllm:hisparse_lease_waits": (
+        "Steps a waiting request whose host pages found no room for a hot lease waited for room "
+        "instead of recomputing them (the lease would at least halve its prefill).",
+        "lease_waits",
+    ),
     "vllm:hisparse_host_prefix_pages_reused": (
         "Prefix pages a request took from the host pool instead of recomputing them.",
         "host_prefix_pages_reused",

@@ -293,8 +293,14 @@ class HiSparseScheduling:
         Pressure relief for the chunk's own new blocks runs first, since it may demote
         the request's own older pages. The staging is an estimate the resolution does
         not rely on: pages demoted after it in the same step only add passes.
+
+        One exception: a waiting request whose hit left its host pages out for want of
+        room for their hot lease gets no tokens while it waits for that room
+        (`Admissions.waits_for_lease`), and vLLM admits no one behind it this step.
         """
         self._return_staging(request.request_id)
+        if self.admissions.waits_for_lease(request, num_computed_tokens):
+            return 0
         if num_new_tokens * self.index_topk <= self.hot_rows or not self.issue_plans:
             return num_new_tokens
         # The chunk's own new blocks: a page more than it spans, in every group.
@@ -833,6 +839,8 @@ class HiSparseScheduling:
             connector_hits_cut=self.admissions.counters.hits_cut,
             # Admission tries whose host pages found no room for a hot lease.
             host_hits_without_lease=self.admissions.counters.hits_without_lease,
+            # Steps such a request waited for room instead of recomputing its host pages.
+            lease_waits=self.admissions.counters.lease_waits,
             # Released host-backed sparse-MLA blocks put first in the eviction order.
             blocks_evicted_first=self.blocks_evicted_first,
             # Resident blocks copied for prefix hits ending inside one (the page layout).
