@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 
 import pytest
 import tiny_models
@@ -551,12 +552,33 @@ def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_
     h.run_until_done()
     h.kv_cache_manager.evict_blocks(mla_blocks)
     next_turn_without_room_for_a_lease(h, monkeypatch, "D1", 9, "D2")
-    calls = record_lease_attempts(monkeypatch, h.hisparse.admissions)
+    admissions = h.hisparse.admissions
+    calls = record_lease_attempts(monkeypatch, admissions)
+    # The connector's hit reads the host copies the walk found (no page looked up twice in
+    # the step), and the pages left out for want of the lease count once.
+    pool = h.hisparse.residency.host_pool
+    lookup, looked_up, unleased = pool.lookup, Counter(), []
+    waits_for_lease = admissions.waits_for_lease
+
+    def counted_lookup(block_hash):
+        looked_up[block_hash] += 1
+        return lookup(block_hash)
+
+    def observed_waits_for_lease(request, num_computed_tokens):
+        if (record := admissions._records.get(request.request_id)) is not None:
+            unleased.append(record.unleased_pages)
+        return waits_for_lease(request, num_computed_tokens)
+
+    monkeypatch.setattr(pool, "lookup", counted_lookup)
+    monkeypatch.setattr(admissions, "waits_for_lease", observed_waits_for_lease)
     while "D2" not in h.hisparse.residency.requests:
         admitted = h.step()
     assert admitted.new_request_cached_tokens["D2"] == 0, "no lease: recomputed"
     assert calls == ["walk"], f"lease attempts in D2's admission: {calls}"
     assert h.hisparse.stats()["host_hits_without_lease"] == 1, "one try, counted once"
+    history_pages = len(first_turn) // BLOCK
+    assert looked_up and max(looked_up.values()) == 1, f"looked up twice: {looked_up.most_common(2)}"
+    assert unleased == [history_pages], f"pages left out for want of the lease: {unleased}"
     h.run_until_done()
     h.hisparse.check_ownership()
 

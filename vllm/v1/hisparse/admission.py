@@ -73,6 +73,10 @@ class PendingAdmission:
     # The host pages the hit leaves out for want of that lease (the request would recompute
     # them): the measure `waits_for_lease` weighs.
     unleased_pages: int = 0
+    # The host copies the walk found from the page where it stopped for want of the lease
+    # (first page, copies in page order), already touched: a connector's hit of the same
+    # history in the same step reads them from here instead of looking each up again.
+    walk_copies: tuple[int, list[HostPage]] = (0, [])
 
 
 @dataclass
@@ -348,7 +352,7 @@ class Admissions:
 
         # Pages whose blocks the record guards already; the first page whose lease failed.
         guarded = 0
-        no_lease_at: int | None = None
+        no_lease_at: tuple[int, HostPage] | None = None  # and its host copy
         block_end = start
         for position in range(start, max_pages):
             block_hash = hashes[position]
@@ -388,7 +392,7 @@ class Admissions:
                     record.hit += [b for mla_blocks, other in pages for b in (mla_blocks or []) + other]
                     guarded = len(pages)
                     if not self._room_for_lease(request):
-                        no_lease_at = position
+                        no_lease_at = (position, host_page)
                         record.no_lease = True
                         self.counters.hits_without_lease += 1
                         break
@@ -406,9 +410,11 @@ class Admissions:
         if no_lease_at is not None:
             # The copies the request wants stay the most recently used, as if taken and
             # given back; its hit is the pages before them (each cached in every group).
-            copies = self._host_copies_from(request, no_lease_at, max_pages)
+            position, first_copy = no_lease_at
+            copies = [first_copy, *self._host_copies_from(request, position + 1, max_pages)]
             self.host_pool.touch(copies)
             record.unleased_pages = len(copies)
+            record.walk_copies = (position, copies)
             return self._extension(blocks, num_tokens, pages)
         if pages and self.blocks.use_eagle:
             # As upstream's hit: an EAGLE/MTP drafter recomputes the last page of a hit for
@@ -619,9 +625,12 @@ class Admissions:
         # no room for its lease, every step) then costs no reference taken and given back.
         hit: dict[PageIndex, HostPage] = {}
         hashes, lookup = request.block_hashes, self.host_pool.lookup
+        copies_from, copies = record.walk_copies
         for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
             host_page = None
-            if position < len(hashes):  # else a partial page: never copied
+            if 0 <= position - copies_from < len(copies):
+                host_page = copies[position - copies_from]  # the walk's lookup, this step
+            elif position < len(hashes):  # else a partial page: never copied
                 host_page = lookup(hashes[position])
             if host_page is None:
                 num_external_tokens = self._cut_hit(hit, num_local_tokens, position * self.block_size)
@@ -665,8 +674,9 @@ class Admissions:
         if not record.lease:
             # No room for the lease in this step (found by the walk, or now): the copies the
             # request wants stay the most recently used, as if taken and given back.
-            self.host_pool.touch(hit.values())
-            record.unleased_pages += len(hit)
+            # (The walk's copies are touched already, in page order.)
+            self.host_pool.touch(h for p, h in hit.items() if not 0 <= p - copies_from < len(copies))
+            record.unleased_pages = max(record.unleased_pages, len(hit))
             return new_computed_blocks, 0
         record.restores = self._retained(restores)
         record.host_pages.update(self._retained(on_host))
