@@ -148,6 +148,10 @@ class Run:
     staging_rows_leased: float = 0.0
     staging_rows_short: float = 0.0
     host_syncs_per_step: float = 0.0
+    # Admission tries whose history the host pool held but that found no room for a hot
+    # lease, and the steps such turns waited for room instead of recomputing it.
+    host_hits_without_lease: float = 0.0
+    lease_waits: float = 0.0
     ratios_to_baseline: dict[str, float] = field(default_factory=dict)
     # `vllm bench serve`'s fields and units (milliseconds) where they overlap.
     duration: float = 0.0
@@ -357,6 +361,8 @@ def add_work_counters(run: Run, text: str) -> None:
     run.rows_staged_per_layer_step = run.rows_staged / layered
     run.staging_rows_leased = metric(text, "vllm:hisparse_staging_rows_leased_total")
     run.staging_rows_short = metric(text, "vllm:hisparse_staging_rows_short_total")
+    run.host_hits_without_lease = metric(text, "vllm:hisparse_host_hits_without_lease_total")
+    run.lease_waits = metric(text, "vllm:hisparse_lease_waits_total")
     worker_steps = metric(text, "vllm:hisparse_worker_steps_total")
     run.host_syncs_per_step = metric(text, "vllm:hisparse_device_reads_total") / max(worker_steps, 1)
 

@@ -50,6 +50,8 @@ def test_the_benchmark_measures_the_baseline_and_hybrid_side_by_side(tmp_path):
     assert 0 < hybrid["resolver_calls_per_layer_step"] - extra <= 1
     assert hybrid["rows_loaded"] > 0 and hybrid["engine_steps"] > 0
     assert hybrid["host_syncs_per_step"] == pytest.approx(1.0), "one read of the step's counters"
+    # Every step a turn waited for room for its hot lease was a try that found none.
+    assert 0 <= hybrid["lease_waits"] <= hybrid["host_hits_without_lease"]
     # Ratios are the two runs' own figures divided, measured in the same invocation.
     for name, ratio in runs["hybrid"]["ratios_to_baseline"].items():
         assert ratio == pytest.approx(runs["hybrid"][name] / runs["offload"][name])
