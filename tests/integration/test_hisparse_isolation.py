@@ -262,6 +262,19 @@ def test_a_request_whose_pages_cannot_be_registered_fails_alone(model, monkeypat
     assert h.hisparse.residency.host_pool.num_referenced == 0
 
 
+def a_finished_turn_whose_latent_pages_only_the_host_pool_holds(
+    h: SchedulerHarness, tokens: list[int], request_id: str
+) -> list[int]:
+    """A turn run to the end, then its sparse-MLA blocks evicted from the device prefix
+    cache (its indexer blocks stay cached; the host pool holds its pages). Its tokens."""
+    h.add_request(tokens, max_tokens=2, request_id=request_id)
+    h.step()
+    mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids(request_id)[g]}
+    h.run_until_done()
+    h.kv_cache_manager.evict_blocks(mla_blocks)
+    return tokens
+
+
 @pytest.mark.parametrize("broken", ["append_host_pages", "append_restored_page"])
 def test_a_hit_whose_host_pages_cannot_be_registered_returns_its_lease_and_host_pages(
     model, monkeypatch, broken
@@ -285,12 +298,7 @@ def test_a_hit_whose_host_pages_cannot_be_registered_returns_its_lease_and_host_
     monkeypatch.setattr(ResidencyManager, broken, broken_for_the_next_turn)
     if broken == "append_host_pages":
         h = SchedulerHarness.create(model=model, memory_bytes=64 << 20, attention_config=HISPARSE)
-        first_turn = prompt(1, 640)
-        h.add_request(first_turn, max_tokens=2, request_id="T1")
-        h.step()
-        mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids("T1")[g]}
-        h.run_until_done()
-        h.kv_cache_manager.evict_blocks(mla_blocks)
+        first_turn = a_finished_turn_whose_latent_pages_only_the_host_pool_holds(h, prompt(1, 640), "T1")
     else:
         h = offloading_harness(model, "broken-restore", report_delay=1)
         first_turn = prompt(1, 400)
@@ -545,12 +553,7 @@ def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_
     mark more pages for demotion for the same turn."""
     # Mode "always" never restores a connector hit's pages instead of leasing for them.
     h = offloading_harness(model, "no-second-lease", report_delay=1, mode="always")
-    first_turn = prompt(8, 400)
-    h.add_request(first_turn, max_tokens=2, request_id="D1")
-    h.step()
-    mla_blocks = {b for g in h.hisparse.mla_group_ids for b in h.block_ids("D1")[g]}
-    h.run_until_done()
-    h.kv_cache_manager.evict_blocks(mla_blocks)
+    first_turn = a_finished_turn_whose_latent_pages_only_the_host_pool_holds(h, prompt(8, 400), "D1")
     next_turn_without_room_for_a_lease(h, monkeypatch, "D1", 9, "D2")
     admissions = h.hisparse.admissions
     calls = record_lease_attempts(monkeypatch, admissions)
