@@ -37,6 +37,7 @@ from vllm.v1.hisparse.capacity.simulate import (
     load_constants,
     simulate,
 )
+from vllm.v1.hisparse.kv_grouping import kv_layout, page_layout_multiple
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "tiny-models"
@@ -402,8 +403,9 @@ SIM_SEEDS_FOUND_BY_THE_LONG_RUN = (
 )  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["groups", "page"])
 @pytest.mark.parametrize("seed", [*SIM_STRESS_SEEDS, *SIM_SEEDS_FOUND_BY_THE_LONG_RUN])
-def test_random_simulated_runs_with_mtp_and_the_connector_keep_one_owner(model, seed):
+def test_random_simulated_runs_with_mtp_and_the_connector_keep_one_owner(model, seed, layout):
     rng = random.Random(f"simulated-{seed}")
     mode = rng.choice(["hybrid", "hybrid", "always"])
     tier_bytes = rng.choice([8, 16, 64]) << 20
@@ -415,11 +417,14 @@ def test_random_simulated_runs_with_mtp_and_the_connector_keep_one_owner(model, 
         turn_tokens=rng.randint(16, 120),
         output_tokens=rng.randint(8, 40),
     )
-    with connector_flag("CPUOffloadingSpec", tier_bytes, label=f"sim-stress-{seed}") as kv_transfer:
+    label = f"sim-stress-{seed}-{layout}"
+    with connector_flag("CPUOffloadingSpec", tier_bytes, label=label) as kv_transfer, kv_layout(layout):
         request = planner.PlanRequest(
             model=str(model), max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=rng.choice([10, 14, 24, 40]) << 20,
-            hisparse_config={"host_pool_gib": rng.choice([0.02, 0.05, 0.1, 0.5]), "mode": mode},
+            hisparse_config={
+                "host_pool_gib": rng.choice([0.02, 0.05, 0.1, 0.5]), "mode": mode, "kv_layout": layout,
+            },
             kv_transfer_config=planner.offloading_connector_config(kv_transfer),
             offload_baseline_bytes=tier_bytes, max_num_batched_tokens=rng.choice([64, 128, 256]),
             speculative_config={"method": "mtp", "num_speculative_tokens": rng.choice([1, 2, 3])},
@@ -437,6 +442,8 @@ def test_random_simulated_runs_with_mtp_and_the_connector_keep_one_owner(model, 
             mode, configuration, workload, concurrency, constants, None, seed, check_ownership=True
         )
         assert simulation.model.shape.num_speculative_tokens > 0, "the drafter proposes"
+        groups = simulation.kv_cache_config.kv_cache_groups
+        assert (page_layout_multiple(groups) is not None) == (layout == "page"), "the layout asked for"
         record = simulation.run(max_steps=20_000)
     assert record.started and not record.stalled and record.requests_failed == 0, record
     assert record.sessions_completed == concurrency and record.requests == concurrency * turns
