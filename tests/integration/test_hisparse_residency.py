@@ -192,16 +192,17 @@ def test_demotion_plans_null_block_updates_and_host_page_deltas_for_the_resolver
             assert lease.request_id not in leased, "a lease crosses once"
             leased.add(lease.request_id)
             assert len(lease.block_ids) == MLA_GROUPS and all(len(ids) == 1 for ids in lease.block_ids)
-        for update in plan.host_pages:
-            assert update.request_id in leased, "a request with HOST pages has its lease"
-            req = h.hisparse.residency.requests.get(update.request_id)
+        for run in plan.host_pages:
+            assert run.request_id in leased, "a request with HOST pages has its lease"
+            req = h.hisparse.residency.requests.get(run.request_id)
             if req is None:
                 continue  # ended after the plan was made
             demoted_seen = True
-            assert req.pages[update.page_index].host_page == update.host_page
-            for group_id in plan.mla_group_ids:
-                table = h.kv_cache_manager.coordinator.single_type_managers[group_id].req_to_blocks
-                assert table[update.request_id][update.page_index].is_null
+            for page_index, host_page in run.pages():
+                assert req.pages[page_index].host_page == host_page
+                for group_id in plan.mla_group_ids:
+                    table = h.kv_cache_manager.coordinator.single_type_managers[group_id].req_to_blocks
+                    assert table[run.request_id][page_index].is_null
         for copy in plan.copies:
             assert len(copy.block_ids) == MLA_GROUPS
     assert demoted_seen
@@ -270,8 +271,9 @@ def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
     stats = obs[-1].hisparse_stats
     assert stats["host_prefix_pages_reused"] == 10 and stats["hot_leases"] == 1
     assert h.total_preemptions == 0
-    updates = [u for u in admitted.hisparse_plan.host_pages if u.request_id == second.request_id]
-    assert [u.page_index for u in updates] == list(range(10))
+    runs = [u for u in admitted.hisparse_plan.host_pages if u.request_id == second.request_id]
+    assert len(runs) == 1, "the hit's pages cross as one run"
+    assert [index for index, _ in runs[0].pages()] == list(range(10))
 
 
 def test_a_host_prefix_hit_without_room_for_its_lease_ends_at_its_first_host_page(model, monkeypatch):
@@ -729,8 +731,8 @@ def test_a_chunk_restores_its_host_pages_when_the_pool_has_room_for_them(model):
     for i, restore in restores.items():
         assert restore.block_ids == tuple(tables[g][i] for g in range(MLA_GROUPS)), "the table holds them"
         assert req.pages[i].state.name == "BOTH" and req.pages[i].block_ids == restore.block_ids
-    updates = [u for u in o.hisparse_plan.host_pages if u.request_id == rid]
-    assert updates[-len(host) :] == [u._replace(host_page=-1) for u in updates[-len(host) :]], (
+    updates = [page for u in o.hisparse_plan.host_pages if u.request_id == rid for page in u.pages()]
+    assert updates[-len(host) :] == [(index, -1) for index in sorted(host)], (
         "the workers' map drops them, after the demotion that put them there"
     )
     points = {u.position: u.block_ids for u in o.hisparse_plan.block_table_updates}

@@ -465,7 +465,7 @@ def worker_step(device: str, seed: int = 0) -> dict:
     from types import SimpleNamespace
 
     from vllm.v1.hisparse.page_copy import PageCopyStream
-    from vllm.v1.hisparse.plan import HostPageUpdate, HotLeaseUpdate, StepStaging
+    from vllm.v1.hisparse.plan import HostPageRun, HotLeaseUpdate, StepStaging
     from vllm.v1.hisparse.resolution import HiSparseResolution
 
     g = torch.Generator().manual_seed(seed)
@@ -492,7 +492,7 @@ def worker_step(device: str, seed: int = 0) -> dict:
         max_pages=16,
     )
     next_host = iter(range(8))
-    updates = [HostPageUpdate(r, p, next(next_host)) for r in order for p in host_pages[r]]
+    updates = [HostPageRun(r, p, (next(next_host),)) for r in order for p in host_pages[r]]
     leases = [HotLeaseUpdate(r, ((1 + 2 * i, 2 + 2 * i),)) for i, r in enumerate(order)]
     staging = [StepStaging("long", 2 * BLOCK, ((10, 11),))]
     positions = torch.cat(
@@ -536,7 +536,7 @@ def worker_step(device: str, seed: int = 0) -> dict:
         "host_counts": host_counts,
         "positions": positions,
         "host_pool": host_pool,
-        "host_pages": {r: [u.host_page for u in updates if u.request_id == r] for r in order},
+        "host_pages": {r: [p for u in updates if u.request_id == r for p in u.host_pages] for r in order},
         "order": order,
         "scheduled": scheduled,
         "copies_out": copies_out,

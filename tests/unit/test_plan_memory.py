@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from vllm.v1.hisparse.plan import HostPageUpdate, HotLeaseUpdate, StepStaging
+from vllm.v1.hisparse.plan import HostPageRun, HotLeaseUpdate, StepStaging
 from vllm.v1.hisparse.resolution import HiSparseResolution, plan_memory_bound, topk_owner_of_layer
 
 BLOCK = 64
@@ -78,7 +78,7 @@ def _step(indexer_layers: list[str], long_on_host: bool = True, seed: int = 0):
     for rid in mixed:
         pages = HOST_PAGES if rid == "long" else 1
         first = 0 if rid == "long" else HOST_PAGES + int(rid.split("-")[1])
-        host_pages += [HostPageUpdate(rid, p, first + p) for p in range(pages)]
+        host_pages.append(HostPageRun(rid, 0, tuple(first + p for p in range(pages))))
         leases.append(HotLeaseUpdate(rid, ((next(next_block), next(next_block)),)))
     # Staging for every host row of the long request: one pass.
     if long_on_host:

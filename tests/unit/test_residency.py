@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
+from vllm.v1.hisparse.plan import host_page_runs
 from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
 BLOCK = 64
@@ -210,6 +212,96 @@ def test_always_mode_demotes_without_pressure():
     mgr.complete_copies(ids(mgr.plan_copies()))
     assert [p.state for p in mgr.requests["a"].pages][:3] == [PageState.HOST] * 3
     mgr.check()
+
+
+def tracked_objects() -> int:
+    """Objects Python's garbage collector tracks now (after a collection, which stops
+    tracking tuples of plain values)."""
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def test_a_long_history_adds_no_object_the_garbage_collector_tracks_per_page():
+    """A turn's history of thousands of pages is held column by column, and its host pages
+    cross to the workers as one run: each tracked object per page would be promoted to
+    the collector's oldest generation and bring forward its full passes, which walk every
+    request's token lists."""
+    num_pages = 2000
+    mgr, pool = manager(
+        num_blocks=2 * num_pages + 64, host_pages=2 * num_pages, hot_rows=64, max_copies_per_step=num_pages
+    )
+    hashes = [f"h{i}" for i in range(num_pages)]
+    mgr.add_request("a", block_hashes=hashes)
+    grow(mgr, pool, "a", num_pages + 1, num_pages * BLOCK)
+    mgr.complete_copies(ids(mgr.plan_copies()))
+    end(mgr, pool, "a")
+    hits = mgr.retain_host_prefix(hashes)
+    assert len(hits) == num_pages
+    mgr.add_request("b", block_hashes=hashes)
+    before = tracked_objects()
+    pool.add_placeholders("b", num_pages)
+    mgr.append_host_pages("b", hits, mgr.lease())
+    grow(mgr, pool, "b", num_pages, 2 * num_pages * BLOCK)
+    grown = tracked_objects() - before
+    assert grown < 50, f"{grown} tracked objects for {2 * num_pages} pages"
+    host_runs, leases = mgr.drain_changes()
+    assert [(run.request_id, run.first_page, len(run.host_pages)) for run in host_runs] == [
+        ("b", 0, num_pages)
+    ], "the hit's pages cross as one run"
+    assert leases and mgr.requests["b"].state is RequestState.MIXED
+    mgr.check()
+    pool.check(mgr)
+
+
+def test_a_page_table_reads_and_changes_one_page_through_its_view():
+    mgr, pool = manager(hot_rows=64)
+    mgr.add_request("a", block_hashes=["h0", "h1", "h2"])
+    grow(mgr, pool, "a", 3, 3 * BLOCK)
+    pages = mgr.requests["a"].pages
+    assert len(pages) == 3 and [p.state for p in pages] == [PageState.DEVICE] * 3
+    assert pages[-1].index == 2 and [p.index for p in pages[1:]] == [1, 2]
+    with pytest.raises(IndexError):
+        pages[3]
+    page = pages[1]
+    page.host_page = 7
+    assert pages[1].state is PageState.BOTH and pages.host_page == [None, 7, None]
+    page.copy_id = 3
+    assert pages[1].copying and pages[1].state is PageState.DEVICE
+    page.copy_id, page.block_ids = None, None
+    assert pages[1].state is PageState.HOST
+    assert pages.num_leading_off_device(3) == 0
+    pages[0].host_page = 5
+    assert pages.num_leading_off_device(3) == 2 and pages.num_leading_off_device(1) == 1
+
+
+def test_host_page_runs_group_consecutive_pages_in_order():
+    runs = host_page_runs("r", [(4, 40), (5, 50), (7, 70), (2, 20), (3, 30)])
+    assert [(run.first_page, run.host_pages) for run in runs] == [(4, (40, 50)), (7, (70,)), (2, (20, 30))]
+    assert [page for run in runs for page in run.pages()] == [(4, 40), (5, 50), (7, 70), (2, 20), (3, 30)]
+    assert host_page_runs("r", []) == []
+
+
+def test_releasing_many_host_pages_at_once_is_releasing_each():
+    def pool_after(release_all: bool) -> tuple:
+        pool = HostPagePool(8)
+        pages = [pool.allocate() for _ in range(6)]
+        for page, block_hash in zip(pages[:4], "abcd", strict=True):
+            pool.publish(page, block_hash)
+        pool.retain(pages[1])
+        order = [pages[3], pages[1], pages[0], pages[4]]
+        if release_all:
+            pool.release_all(order)
+        else:
+            for page in order:
+                pool.release(page)
+        pool.check()
+        return pool.num_referenced, pool.num_available, [pool.allocate() for _ in range(pool.num_available)]
+
+    assert pool_after(True) == pool_after(False)
+    pool = HostPagePool(2)
+    page = pool.allocate()
+    with pytest.raises(KeyError, match="released more often than retained"):
+        pool.release_all([page, page])
 
 
 def test_a_host_only_prefix_starts_the_next_request_none():

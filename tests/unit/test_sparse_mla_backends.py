@@ -30,7 +30,7 @@ from vllm.v1.hisparse import worker as hisparse_worker
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
     HiSparseStepPlan,
-    HostPageUpdate,
+    HostPageRun,
     HotLeaseUpdate,
     StepStaging,
 )
@@ -121,7 +121,7 @@ def plan(host_pages: tuple[tuple[int, int], ...]) -> SimpleNamespace:
     changes: dict = {"host_pages": (), "leases": (), "staging": ()}
     if host_pages:
         changes = {
-            "host_pages": tuple(HostPageUpdate("mixed", page, host) for page, host in host_pages),
+            "host_pages": tuple(HostPageRun("mixed", page, (host,)) for page, host in host_pages),
             "leases": (HotLeaseUpdate("mixed", ((HOT_BLOCK,),)),),
             "staging": (StepStaging("mixed", BLOCK, ((STAGING_BLOCK,),)),),
         }

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vllm.v1.hisparse.plan import NOT_ON_HOST, HostPageUpdate, HotLeaseUpdate, StepStaging
+from vllm.v1.hisparse.plan import NOT_ON_HOST, HostPageRun, HotLeaseUpdate, StepStaging
 from vllm.v1.hisparse.resolution import HiSparseResolution
 
 DEVICE = torch.device("meta")
@@ -91,11 +91,10 @@ def _step_on_the_stand_in() -> list[str]:
     with HostWaits() as recorder:
         resolution.update(
             [
-                HostPageUpdate("long", 0, 3),
-                HostPageUpdate("long", 1, 4),
-                HostPageUpdate("decode-0", 0, 5),
-                HostPageUpdate("decode-1", 0, 6),
-                HostPageUpdate("long", 1, NOT_ON_HOST),
+                HostPageRun("long", 0, (3, 4)),
+                HostPageRun("decode-0", 0, (5,)),
+                HostPageRun("decode-1", 0, (6,)),
+                HostPageRun("long", 1, (NOT_ON_HOST,)),
             ],
             [
                 HotLeaseUpdate(rid, ((2 * i + 1, 2 * i + 2),))

@@ -111,6 +111,22 @@ class HostPagePool:
         else:
             self._never_used.append(page)
 
+    def release_all(self, pages: Iterable[int]) -> None:
+        """`release` each of these pages (a request's thousands at its end, in one call)."""
+        refs, hash_of, evictable, never_used = self._refs, self._hash_of, self._evictable, self._never_used
+        for page in pages:
+            n = refs.get(page, 0)
+            if n > 1:
+                refs[page] = n - 1
+                continue
+            if n <= 0:
+                raise KeyError(f"host page {page} released more often than retained")
+            del refs[page]
+            if page in hash_of:
+                evictable[page] = None
+            else:
+                never_used.append(page)
+
     def publish(self, page: int, block_hash: Hashable) -> None:
         """Index a referenced page, whose copy is now durable, by its block hash."""
         if page not in self._refs:

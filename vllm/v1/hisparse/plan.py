@@ -4,7 +4,7 @@
 Owns the types that cross from the scheduler process to the workers in
 `SchedulerOutput.hisparse_plan`, one plan per step, and the names of the
 counters that come back in `ModelRunnerOutput.hisparse_counters`. The plan's
-types are frozen dataclasses (and one named tuple) of plain ints, strings and
+types are frozen dataclasses (and named tuples) of plain ints, strings and
 tuples, so they pickle cheaply and mean the same on both sides. The version number changes whenever
 a field changes meaning; workers refuse other versions.
 
@@ -13,11 +13,12 @@ A leaf: it imports nothing from HiSparse and holds no behaviour.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, NewType
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 7
+HISPARSE_PLAN_VERSION = 8
 
 # The ids that cross between scheduler and workers, typed so that a block id, a host
 # page and a page index cannot be passed one for another.
@@ -25,7 +26,7 @@ BlockId = NewType("BlockId", int)  # a block of the device KV cache pool
 HostPage = NewType("HostPage", int)  # a page of the host pool
 PageIndex = NewType("PageIndex", int)  # a page's position in its request's block table
 CopyId = NewType("CopyId", int)  # one device->host copy, unique for the scheduler's life
-# A `HostPageUpdate`'s host page when the page is resident again (restored for a prefill chunk).
+# A `HostPageRun`'s host page for a page resident again (restored for a prefill chunk).
 NOT_ON_HOST = HostPage(-1)
 
 # What the workers count on the data path, reported per step in
@@ -99,19 +100,46 @@ class PageRestore:
     host_page: HostPage
 
 
-class HostPageUpdate(NamedTuple):
-    """A page of a request that is now only in the host pool (demoted, or a host prefix hit),
-    or, with `NOT_ON_HOST`, a HOST page resident again (a prefill chunk restored it).
+class HostPageRun(NamedTuple):
+    """Consecutive pages of a request that are now only in the host pool (demoted, or a
+    host prefix hit), from `first_page` on, one host page each; with `NOT_ON_HOST`, a
+    HOST page resident again (a prefill chunk restored it).
 
     The worker's map holds a request's HOST pages until the request ends (finishes,
-    is aborted or preempted); a plan's updates apply in order. A named tuple, not a
-    dataclass: a turn that starts from its history in the host pool sends one per page
-    (2,200 for a 142K-token session), made and pickled each at a tuple's cost.
+    is aborted or preempted); a plan's runs apply in order. One run for a turn that
+    starts from its history in the host pool (2,200 pages for a 142K-token session),
+    not one record per page: the host pages are a tuple of ints, which pickles as one
+    and which Python's garbage collector stops tracking, where 2,200 records would
+    each be tracked (and promoted to its oldest generation, whose full passes walk every
+    request's token lists).
     """
 
     request_id: str
-    page_index: PageIndex
-    host_page: HostPage
+    first_page: PageIndex
+    host_pages: tuple[HostPage, ...]
+
+    def pages(self) -> Iterator[tuple[PageIndex, HostPage]]:
+        """(page index, host page) of each page of the run, in order."""
+        for offset, host_page in enumerate(self.host_pages):
+            yield PageIndex(self.first_page + offset), host_page
+
+
+def host_page_runs(request_id: str, pages: Iterable[tuple[int, HostPage]]) -> list[HostPageRun]:
+    """`pages` (page index, host page each, in order) as runs of consecutive indices."""
+    runs: list[HostPageRun] = []
+    first, last = -1, -2
+    host_pages: list[HostPage] = []
+    for index, host_page in pages:
+        if index != last + 1 and host_pages:
+            runs.append(HostPageRun(request_id, PageIndex(first), tuple(host_pages)))
+            host_pages = []
+        if not host_pages:
+            first = index
+        host_pages.append(host_page)
+        last = index
+    if host_pages:
+        runs.append(HostPageRun(request_id, PageIndex(first), tuple(host_pages)))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -155,7 +183,7 @@ class HiSparseStepPlan:
     # Host -> device, before this step's forward.
     restores: tuple[PageRestore, ...]
     # Pages that became HOST since the last plan.
-    host_pages: tuple[HostPageUpdate, ...]
+    host_pages: tuple[HostPageRun, ...]
     # Hot leases taken since the last plan.
     leases: tuple[HotLeaseUpdate, ...]
     # This step's staging rows.

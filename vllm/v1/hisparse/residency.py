@@ -52,13 +52,22 @@ import enum
 import itertools
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, overload
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS, RESIDENT_TAIL_PAGES
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-from vllm.v1.hisparse.plan import NOT_ON_HOST, BlockId, CopyId, HostPage, HostPageUpdate, PageCopy, PageIndex
+from vllm.v1.hisparse.plan import (
+    NOT_ON_HOST,
+    BlockId,
+    CopyId,
+    HostPage,
+    HostPageRun,
+    PageCopy,
+    PageIndex,
+    host_page_runs,
+)
 
 
 class PageState(enum.Enum):
@@ -111,22 +120,143 @@ class BlockAllocator(Protocol):
         """
 
 
-@dataclass(slots=True)
+class PageTable:
+    """One request's pages, held column by column: a page is an index into four lists.
+
+    A request's history is thousands of pages (2,200 at 142K tokens), and a page object
+    per page would be that many objects the garbage collector tracks for the life of
+    the request: each admitted history then brings Python's full collection closer,
+    which walks every request's token lists (about 90 ms per pass at 64 sessions of
+    142K tokens). Four lists are four objects however long the history is. `Page` is
+    a view of one index, made where code reads or changes one page.
+    """
+
+    __slots__ = ("block_ids", "copy_id", "demote_when_copied", "host_page")
+
+    def __init__(self) -> None:
+        # One device block per sparse-MLA group; None once HOST.
+        self.block_ids: list[tuple[BlockId, ...] | None] = []
+        # Host slot (reserved while a copy is in flight).
+        self.host_page: list[HostPage | None] = []
+        # The device->host copy into host_page in flight.
+        self.copy_id: list[CopyId | None] = []
+        # Free the device block once the copy lands.
+        self.demote_when_copied: list[bool] = []
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> Page: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Page]: ...
+
+    def __getitem__(self, index: int | slice) -> Page | list[Page]:
+        if isinstance(index, slice):
+            return [Page(self, i) for i in range(*index.indices(len(self.block_ids)))]
+        if index < 0:
+            index += len(self.block_ids)
+        if not 0 <= index < len(self.block_ids):
+            raise IndexError(f"page {index} of {len(self.block_ids)}")
+        return Page(self, index)
+
+    def __iter__(self) -> Iterator[Page]:
+        return (Page(self, index) for index in range(len(self.block_ids)))
+
+    def upto(self, end: int) -> Iterator[Page]:
+        """The pages before `end`, in order."""
+        return (Page(self, index) for index in range(min(end, len(self.block_ids))))
+
+    def append(self, block_ids: tuple[BlockId, ...] | None, host_page: HostPage | None = None) -> None:
+        self.block_ids.append(block_ids)
+        self.host_page.append(host_page)
+        self.copy_id.append(None)
+        self.demote_when_copied.append(False)
+
+    def extend_device(self, rows: Iterable[tuple[BlockId, ...]]) -> int:
+        """DEVICE pages, one row of block ids each; how many."""
+        start = len(self.block_ids)
+        self.block_ids += rows
+        return self._pad(start, with_host=True)
+
+    def extend_host(self, host_pages: Iterable[HostPage]) -> int:
+        """HOST pages, one host page each; how many."""
+        start = len(self.host_page)
+        self.host_page += host_pages
+        return self._pad(start, with_host=False)
+
+    def _pad(self, start: int, *, with_host: bool) -> int:
+        num = (len(self.block_ids) if with_host else len(self.host_page)) - start
+        if with_host:
+            self.host_page += [None] * num
+        else:
+            self.block_ids += [None] * num
+        self.copy_id += [None] * num
+        self.demote_when_copied += [False] * num
+        return num
+
+    def num_leading_off_device(self, end: int) -> int:
+        """How many pages from the first, before `end`, the host pool holds (HOST or BOTH),
+        up to the first DEVICE one."""
+        block_ids, host_page, copy_id = self.block_ids, self.host_page, self.copy_id
+        for index in range(min(end, len(block_ids))):
+            if block_ids[index] is not None and (host_page[index] is None or copy_id[index] is not None):
+                return index
+        return min(end, len(block_ids))
+
+
 class Page:
-    block_ids: tuple[BlockId, ...] | None  # one device block per sparse-MLA group; None once HOST
-    host_page: HostPage | None = None  # host slot (reserved while a copy is in flight)
-    copy_id: CopyId | None = None  # the device->host copy into host_page in flight
-    demote_when_copied: bool = False  # free the device block once the copy lands
+    """One page of a `PageTable`, read and changed in place."""
+
+    __slots__ = ("_table", "index")
+
+    def __init__(self, table: PageTable, index: int) -> None:
+        self._table = table
+        self.index = index
+
+    @property
+    def block_ids(self) -> tuple[BlockId, ...] | None:
+        return self._table.block_ids[self.index]
+
+    @block_ids.setter
+    def block_ids(self, value: tuple[BlockId, ...] | None) -> None:
+        self._table.block_ids[self.index] = value
+
+    @property
+    def host_page(self) -> HostPage | None:
+        return self._table.host_page[self.index]
+
+    @host_page.setter
+    def host_page(self, value: HostPage | None) -> None:
+        self._table.host_page[self.index] = value
+
+    @property
+    def copy_id(self) -> CopyId | None:
+        return self._table.copy_id[self.index]
+
+    @copy_id.setter
+    def copy_id(self, value: CopyId | None) -> None:
+        self._table.copy_id[self.index] = value
+
+    @property
+    def demote_when_copied(self) -> bool:
+        return self._table.demote_when_copied[self.index]
+
+    @demote_when_copied.setter
+    def demote_when_copied(self, value: bool) -> None:
+        self._table.demote_when_copied[self.index] = value
 
     @property
     def copying(self) -> bool:
-        return self.copy_id is not None
+        return self._table.copy_id[self.index] is not None
 
     @property
     def state(self) -> PageState:
-        if self.block_ids is None:
+        table, index = self._table, self.index
+        if table.block_ids[index] is None:
             return PageState.HOST
-        if self.host_page is not None and not self.copying:
+        if table.host_page[index] is not None and table.copy_id[index] is None:
             return PageState.BOTH
         return PageState.DEVICE
 
@@ -140,7 +270,7 @@ class RequestResidency:
     # Blocks of its hot lease (all sparse-MLA groups): the default lease, or fewer when
     # the request's whole context fits in fewer rows.
     lease_blocks: int
-    pages: list[Page] = field(default_factory=list)
+    pages: PageTable = field(default_factory=PageTable)
     num_complete_pages: int = 0  # pages whose tokens are all computed (and cached)
     hot_blocks: list[BlockId] = field(default_factory=list)
     # Page-level block hashes; may be a live view that grows with the request.
@@ -248,7 +378,7 @@ class ResidencyManager:
         self.counters = ResidencyCounters()
         # What changed since the last `drain_changes`, for the workers' maps: pages that
         # turned HOST (request, page index, host page) and leases taken (request, blocks).
-        self._new_host_pages: list[HostPageUpdate] = []
+        self._new_host_pages: list[HostPageRun] = []
         self._new_leases: list[tuple[str, list[BlockId]]] = []
         # DEVICE pages marked for copy-then-free, in marking order.
         self._marked: dict[tuple[str, int], None] = {}
@@ -335,10 +465,10 @@ class ResidencyManager:
             for index, page in enumerate(host_pages, start):
                 if (block_hash := req.page_hash(index)) is not None:
                     self.host_pool.publish(page, block_hash)
-        self._new_host_pages += [
-            HostPageUpdate(request_id, PageIndex(index), page) for index, page in enumerate(host_pages, start)
-        ]
-        req.pages += [Page(None, page) for page in host_pages]
+        host_pages = tuple(host_pages)
+        if host_pages:
+            self._new_host_pages.append(HostPageRun(request_id, PageIndex(start), host_pages))
+        req.pages.extend_host(host_pages)
         req.num_host_demotable += max(0, min(req.num_demotable_pages, start + len(host_pages)) - start)
         req.num_host_pages += len(host_pages)
         self._page_counts[PageState.HOST] += len(host_pages)
@@ -355,7 +485,7 @@ class ResidencyManager:
                 raise ValueError(f"a page has {width} blocks, got {list(block_ids)}")
         req = self.requests[request_id]
         start = len(req.pages)
-        req.pages += [Page(tuple(block_ids)) for block_ids in pages]
+        req.pages.extend_device(tuple(block_ids) for block_ids in pages)
         # Complete ones are proactive copy candidates, in page order.
         req.uncopied.update(dict.fromkeys(range(start, min(len(req.pages), req.num_complete_pages))))
         self._page_counts[PageState.DEVICE] += len(pages)
@@ -370,7 +500,7 @@ class ResidencyManager:
         if len(block_ids) != self.blocks_per_page:
             raise ValueError(f"a page has {self.blocks_per_page} blocks, got {list(block_ids)}")
         req = self.requests[request_id]
-        req.pages.append(Page(block_ids=tuple(block_ids), host_page=host_page))
+        req.pages.append(tuple(block_ids), host_page)
         req.num_both_pages += 1
         self._page_counts[PageState.BOTH] += 1
         if len(req.pages) - 1 < req.num_demotable_pages:
@@ -399,10 +529,10 @@ class ResidencyManager:
             page = req.pages[index]
             assert page.state is PageState.HOST, f"{request_id} page {index} is {page.state.name}, not HOST"
             page.block_ids = tuple(block_ids)
-            self._new_host_pages.append(HostPageUpdate(request_id, PageIndex(index), NOT_ON_HOST))
             if index < demotable:
                 req.num_host_demotable -= 1
                 self._add_settled(req, index)
+        self._new_host_pages += host_page_runs(request_id, ((index, NOT_ON_HOST) for index, _ in pages))
         req.num_host_pages -= len(pages)
         req.num_both_pages += len(pages)
         self._page_counts[PageState.HOST] -= len(pages)
@@ -464,19 +594,24 @@ class ResidencyManager:
             return
         self._settled.pop(request_id, None)
         if req.num_host_pages or req.hot_blocks:
-            self._new_host_pages = [c for c in self._new_host_pages if c.request_id != request_id]
+            self._new_host_pages = [c for c in self._new_host_pages if c[0] != request_id]
             self._new_leases = [c for c in self._new_leases if c[0] != request_id]
         for state in PageState:
             self._page_counts[state] -= req.count(state)  # kept as pages change (`check`)
-        for index, page in enumerate(req.pages):
-            if page.demote_when_copied:
+        pages = req.pages
+        for index, copy_id in enumerate(pages.copy_id):
+            if pages.demote_when_copied[index]:
                 self._marked.pop((request_id, index), None)
-            if page.copy_id is not None:
-                assert page.block_ids is not None and page.host_page is not None
-                self.allocator.hold(page.block_ids)
-                self._orphans[page.copy_id] = req.page_hash(index)
-            elif page.host_page is not None:
-                self.host_pool.release(page.host_page)
+            if copy_id is not None:
+                block_ids = pages.block_ids[index]
+                assert block_ids is not None and pages.host_page[index] is not None
+                self.allocator.hold(block_ids)
+                self._orphans[copy_id] = req.page_hash(index)
+        self.host_pool.release_all(
+            page
+            for page, copy_id in zip(pages.host_page, pages.copy_id, strict=True)
+            if page is not None and copy_id is None
+        )
         self.allocator.give_back(req.hot_blocks)
 
     def hold(self, request_id: str) -> None:
@@ -498,7 +633,7 @@ class ResidencyManager:
         """Whether the request still has prompt tokens to compute (relief prefers other victims)."""
         self.requests[request_id].prefilling = prefilling
 
-    def drain_changes(self) -> tuple[list[HostPageUpdate], list[tuple[str, list[BlockId]]]]:
+    def drain_changes(self) -> tuple[list[HostPageRun], list[tuple[str, list[BlockId]]]]:
         """Pages that turned HOST and leases taken since the last call, for the workers' maps."""
         changes = self._new_host_pages, self._new_leases
         self._new_host_pages, self._new_leases = [], []
@@ -837,10 +972,12 @@ class ResidencyManager:
         if not req.both_demotable:
             self._settled.pop(req.request_id, None)
         self.counters.pages_demoted += len(indices)
+        demoted_pages: list[tuple[int, HostPage]] = []
         for i in indices:
-            host_page = req.pages[i].host_page
+            host_page = req.pages.host_page[i]
             assert host_page is not None
-            self._new_host_pages.append(HostPageUpdate(req.request_id, PageIndex(i), host_page))
+            demoted_pages.append((i, host_page))
+        self._new_host_pages += host_page_runs(req.request_id, demoted_pages)
         if not req.hot_blocks:
             req.hot_blocks = self.allocator.take(req.lease_blocks)
             freed -= req.lease_blocks

@@ -41,7 +41,7 @@ from vllm.v1.hisparse.plan import (
     DEVICE_COUNTERS,
     HOST_COUNTERS,
     NOT_ON_HOST,
-    HostPageUpdate,
+    HostPageRun,
     HotLeaseUpdate,
     StepStaging,
 )
@@ -178,7 +178,7 @@ class HiSparseResolution:
 
     def update(
         self,
-        host_pages: Iterable[HostPageUpdate],
+        host_pages: Iterable[HostPageRun],
         leases: Iterable[HotLeaseUpdate],
         staging: Iterable[StepStaging],
     ) -> None:
@@ -196,18 +196,19 @@ class HiSparseResolution:
         # In order, the last update of a page standing (a page may be restored and demoted
         # again within one plan).
         latest: dict[tuple[int, int], int] = {}
-        for update in host_pages:
-            row = self._row_of(update.request_id)
-            latest[(row, update.page_index)] = update.host_page
-            held = self._host_pages_of.setdefault(update.request_id, set())
-            if update.host_page == NOT_ON_HOST:
-                held.discard(update.page_index)
-            else:
-                held.add(update.page_index)
+        for run in host_pages:
+            row = self._row_of(run.request_id)
+            held = self._host_pages_of.setdefault(run.request_id, set())
+            for page_index, host_page in run.pages():
+                latest[(row, page_index)] = host_page
+                if host_page == NOT_ON_HOST:
+                    held.discard(page_index)
+                else:
+                    held.add(page_index)
             if held:
-                self._with_host_pages.add(update.request_id)
+                self._with_host_pages.add(run.request_id)
             else:
-                self._with_host_pages.discard(update.request_id)
+                self._with_host_pages.discard(run.request_id)
         if latest:
             latest_rows, latest_pages = zip(*latest, strict=True)
             self.host_page_table.index_put_(

@@ -462,11 +462,7 @@ class HiSparseScheduling:
         req = self.residency.requests.get(request.request_id)
         if req is None:
             return
-        num_pages = 0
-        for page in req.pages[: req.num_complete_pages]:
-            if page.state is PageState.DEVICE:
-                break
-            num_pages += 1
+        num_pages = req.pages.num_leading_off_device(req.num_complete_pages)
         if num_pages:
             self.histories.hold(
                 request.request_id, self.blocks.history_block_ids(request.request_id, num_pages)
