@@ -503,11 +503,17 @@ def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(mode
     assert None not in wanted and pool.num_referenced == 0
     pool.touch(reversed(wanted))
     admissions = h.hisparse.admissions
-    cap, retain, retained, seen = admissions.cap_external_hit, pool.retain, [], []
+    cap, retain, retain_all = admissions.cap_external_hit, pool.retain, pool.retain_all
+    retained, seen = [], []
 
     def counted_retain(page):
         retained.append(page)
         retain(page)
+
+    def counted_retain_all(pages):
+        pages = list(pages)
+        retained.extend(pages)
+        retain_all(pages)
 
     def observed_cap(request, *args, **kwargs):
         retained.clear()
@@ -516,6 +522,7 @@ def test_a_connector_hit_without_room_for_its_lease_takes_no_host_reference(mode
         return hit
 
     monkeypatch.setattr(pool, "retain", counted_retain)
+    monkeypatch.setattr(pool, "retain_all", counted_retain_all)
     lease_blocks = admissions._lease_blocks_for
     second_turn = next_turn_without_room_for_a_lease(h, monkeypatch, "C1", 6, "C2")
     monkeypatch.setattr(admissions, "cap_external_hit", observed_cap)

@@ -304,6 +304,29 @@ def test_releasing_many_host_pages_at_once_is_releasing_each():
         pool.release_all([page, page])
 
 
+def test_retaining_many_host_pages_at_once_is_retaining_each():
+    def pool_after(retain_all: bool) -> tuple:
+        pool = HostPagePool(8)
+        pages = [pool.allocate() for _ in range(5)]
+        for page, block_hash in zip(pages, "abcde", strict=True):
+            pool.publish(page, block_hash)
+        for page in pages[2:]:
+            pool.release(page)  # cached, not referenced
+        order = [pages[3], pages[0], pages[4], pages[0]]
+        if retain_all:
+            pool.retain_all(order)
+        else:
+            for page in order:
+                pool.retain(page)
+        pool.check()
+        return [pool.refs(page) for page in pages], pool.num_available, pool.allocate()
+
+    assert pool_after(True) == pool_after(False)
+    pool = HostPagePool(2)
+    with pytest.raises(KeyError, match="neither referenced nor cached"):
+        pool.retain_all([1])
+
+
 def test_a_host_only_prefix_starts_the_next_request_none():
     mgr, pool = manager(mode="always", hot_rows=64)
     mgr.add_request("a", block_hashes=["h0", "h1", "h2"])

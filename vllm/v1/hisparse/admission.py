@@ -312,6 +312,7 @@ class Admissions:
         pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
         host_pages: dict[PageIndex, HostPage] = {}
         other_page, mla_page = self.blocks.page_lookup(other_ids), self.blocks.page_lookup(mla_ids)
+        host_lookup = self.host_pool.lookup
         hashes = request.block_hashes
         resident: dict[int, tuple[list[KVCacheBlock] | None, int]] = {}
         room_left = room  # alone: the room the pages taken leave
@@ -336,7 +337,7 @@ class Admissions:
                 return False
             block_hash = hashes[position]
             return resident_block(position - (position - start) % m)[1] > position and (
-                mla_page(block_hash) is not None or self.host_pool.lookup(block_hash) is not None
+                mla_page(block_hash) is not None or host_lookup(block_hash) is not None
             )
 
         def ends_at(num_pages: int) -> int:
@@ -374,7 +375,7 @@ class Admissions:
                     break
                 if mla is not None:
                     touched = sum(b.ref_cnt == 0 for b in mla)
-                    if touched > room and self.host_pool.lookup(block_hash) is not None:
+                    if touched > room and host_lookup(block_hash) is not None:
                         mla = None  # its host copy instead: the chunk needs the blocks
                     else:
                         room -= touched
@@ -383,7 +384,7 @@ class Admissions:
             if mla is None:
                 # Looked up, not yet retained: nothing below allocates a host page, so
                 # nothing can evict it before it is retained with the lease.
-                host_page = self.host_pool.lookup(block_hash)
+                host_page = host_lookup(block_hash)
                 if host_page is None:
                     break
                 if not host_pages and not capped and (not self.blocks.use_eagle or walks(position + 1)):
@@ -439,8 +440,7 @@ class Admissions:
         if host_pages:
             record.lease = self._take_lease(request)
             if record.lease:
-                for page in host_pages.values():
-                    self.host_pool.retain(page)
+                self.host_pool.retain_all(host_pages.values())
             else:
                 record.no_lease = True
                 self.counters.hits_without_lease += 1
@@ -537,8 +537,9 @@ class Admissions:
         """The host pool's copies of the request's pages from `start`, up to `end` or the
         first it does not hold."""
         copies = []
-        for position in range(start, end):
-            page = self.host_pool.lookup(request.block_hashes[position])
+        lookup = self.host_pool.lookup
+        for block_hash in request.block_hashes[start:end]:
+            page = lookup(block_hash)
             if page is None:
                 break
             copies.append(page)
@@ -696,8 +697,7 @@ class Admissions:
 
     def _retained(self, pages: dict[PageIndex, HostPage]) -> dict[PageIndex, HostPage]:
         """`pages`, each retained for the caller (looked up in this same step)."""
-        for page in pages.values():
-            self.host_pool.retain(page)
+        self.host_pool.retain_all(pages.values())
         return pages
 
     def _cut_hit(self, hit: dict[PageIndex, HostPage], num_local_tokens: int, held_end: int) -> int:

@@ -82,6 +82,18 @@ class HostPagePool:
         del self._evictable[page]
         self._refs[page] = 1
 
+    def retain_all(self, pages: Iterable[int]) -> None:
+        """`retain` each of these pages (a turn's history of thousands, in one call)."""
+        refs, evictable = self._refs, self._evictable
+        for page in pages:
+            if page in refs:
+                refs[page] += 1
+            elif page in evictable:
+                del evictable[page]
+                refs[page] = 1
+            else:
+                raise KeyError(f"host page {page} is neither referenced nor cached")
+
     def retain_cached(self, block_hash: Hashable) -> HostPage | None:
         """The host page holding a durable copy of this block, retained, or None: the
         caller's reference keeps it from eviction until released or handed on."""

@@ -226,6 +226,14 @@ class KVCacheBlockAccess:
         `get_cached_block`, with each group's key suffix made once)."""
         suffixes = [make_block_hash_with_group_id(BlockHash(b""), g) for g in group_ids]
         get_one_block = self._pool.cached_block_hash_to_block.get_one_block
+        if len(suffixes) == 1:
+            (suffix,) = suffixes
+
+            def lookup_one(block_hash: BlockHash) -> list[KVCacheBlock] | None:
+                block = get_one_block(BlockHashWithGroupId(block_hash + suffix))
+                return None if block is None else [block]
+
+            return lookup_one
 
         def lookup(block_hash: BlockHash) -> list[KVCacheBlock] | None:
             blocks = []

@@ -554,25 +554,26 @@ class ResidencyManager:
             return
         complete_before, demotable_before = req.num_complete_pages, req.num_demotable_pages
         req.num_complete_pages = num_complete
-        # A new turn completes its whole history at once: `Page.state` spelled out below.
-        pages, uncopied = req.pages, req.uncopied
+        # A new turn completes its whole history at once: `Page.state` spelled out below,
+        # on the page table's columns.
+        uncopied = req.uncopied
+        block_ids, host_page, copy_id = req.pages.block_ids, req.pages.host_page, req.pages.copy_id
+        demote = req.pages.demote_when_copied
         for index in range(complete_before, req.num_complete_pages):  # newly complete
-            page = pages[index]
             # DEVICE, no copy in flight, not marked.
             if (
-                page.block_ids is not None
-                and page.host_page is None
-                and page.copy_id is None
-                and not page.demote_when_copied
+                block_ids[index] is not None
+                and host_page[index] is None
+                and copy_id[index] is None
+                and not demote[index]
             ):
                 uncopied[index] = None
         for index in range(req.num_complete_pages, complete_before):  # rejected speculative tokens
             uncopied.pop(index, None)
         for index in range(demotable_before, req.num_demotable_pages):  # newly demotable
-            page = pages[index]
-            if page.block_ids is None:  # HOST
+            if block_ids[index] is None:  # HOST
                 req.num_host_demotable += 1
-            elif page.host_page is not None and page.copy_id is None:  # BOTH
+            elif host_page[index] is not None and copy_id[index] is None:  # BOTH
                 self._add_settled(req, index)
         for index in range(req.num_demotable_pages, demotable_before):
             state = req.pages[index].state
@@ -693,21 +694,20 @@ class ResidencyManager:
         request's copy of the same block hash, e.g. a session's history found again on the
         device): BOTH at once with that copy, retained, instead of copying it again. The
         pages, in order, that still need a copy."""
-        hashes, pages = req.block_hashes, req.pages
+        hashes, host_pages, demote = req.block_hashes, req.pages.host_page, req.pages.demote_when_copied
         num_hashes, num_demotable = len(hashes), req.num_demotable_pages
         retain_cached, uncopied = self.host_pool.retain_cached, req.uncopied
         to_copy: list[int] = []
         reused = 0
         for index in indices:
-            page = pages[index]
             block_hash = hashes[index] if index < num_hashes else None
             host_page = None
-            if block_hash is not None and not page.demote_when_copied:
+            if block_hash is not None and not demote[index]:
                 host_page = retain_cached(block_hash)
             if host_page is None:
                 to_copy.append(index)
                 continue
-            page.host_page = host_page
+            host_pages[index] = host_page
             uncopied.pop(index, None)
             reused += 1
             if index < num_demotable:

@@ -790,7 +790,8 @@ class HiSparseScheduling:
                     pass_run()
                     device_from = position
                 continue
-            pass_device_run(position)
+            if device_from < position:
+                pass_device_run(position)
             device_from = position + 1
             if host:
                 imported = position in record.landed
