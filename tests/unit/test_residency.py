@@ -281,6 +281,16 @@ def test_host_page_runs_group_consecutive_pages_in_order():
     assert host_page_runs("r", []) == []
 
 
+def each_or_all(pool: HostPagePool, operation: str, pages: list, at_once: bool) -> None:
+    """`pool.<operation>` of each page in turn, or `pool.<operation>_all` of them at once."""
+    if at_once:
+        getattr(pool, f"{operation}_all")(pages)
+    else:
+        for page in pages:
+            getattr(pool, operation)(page)
+    pool.check()
+
+
 def test_releasing_many_host_pages_at_once_is_releasing_each():
     def pool_after(release_all: bool) -> tuple:
         pool = HostPagePool(8)
@@ -288,13 +298,7 @@ def test_releasing_many_host_pages_at_once_is_releasing_each():
         for page, block_hash in zip(pages[:4], "abcd", strict=True):
             pool.publish(page, block_hash)
         pool.retain(pages[1])
-        order = [pages[3], pages[1], pages[0], pages[4]]
-        if release_all:
-            pool.release_all(order)
-        else:
-            for page in order:
-                pool.release(page)
-        pool.check()
+        each_or_all(pool, "release", [pages[3], pages[1], pages[0], pages[4]], release_all)
         return pool.num_referenced, pool.num_available, [pool.allocate() for _ in range(pool.num_available)]
 
     assert pool_after(True) == pool_after(False)
@@ -312,13 +316,7 @@ def test_retaining_many_host_pages_at_once_is_retaining_each():
             pool.publish(page, block_hash)
         for page in pages[2:]:
             pool.release(page)  # cached, not referenced
-        order = [pages[3], pages[0], pages[4], pages[0]]
-        if retain_all:
-            pool.retain_all(order)
-        else:
-            for page in order:
-                pool.retain(page)
-        pool.check()
+        each_or_all(pool, "retain", [pages[3], pages[0], pages[4], pages[0]], retain_all)
         return [pool.refs(page) for page in pages], pool.num_available, pool.allocate()
 
     assert pool_after(True) == pool_after(False)
