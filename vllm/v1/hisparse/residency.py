@@ -164,37 +164,30 @@ class PageTable:
     def __iter__(self) -> Iterator[Page]:
         return (Page(self, index) for index in range(len(self.block_ids)))
 
-    def upto(self, end: int) -> Iterator[Page]:
-        """The pages before `end`, in order."""
-        return (Page(self, index) for index in range(min(end, len(self.block_ids))))
-
     def append(self, block_ids: tuple[BlockId, ...] | None, host_page: HostPage | None = None) -> None:
         self.block_ids.append(block_ids)
         self.host_page.append(host_page)
         self.copy_id.append(None)
         self.demote_when_copied.append(False)
 
-    def extend_device(self, rows: Iterable[tuple[BlockId, ...]]) -> int:
-        """DEVICE pages, one row of block ids each; how many."""
-        start = len(self.block_ids)
+    def extend_device(self, rows: Iterable[tuple[BlockId, ...]]) -> None:
+        """DEVICE pages, one row of block ids each."""
+        rows = list(rows)
         self.block_ids += rows
-        return self._pad(start, with_host=True)
+        self.host_page += [None] * len(rows)
+        self._extend_unmarked(len(rows))
 
-    def extend_host(self, host_pages: Iterable[HostPage]) -> int:
-        """HOST pages, one host page each; how many."""
-        start = len(self.host_page)
+    def extend_host(self, host_pages: Iterable[HostPage]) -> None:
+        """HOST pages, one host page each."""
+        host_pages = list(host_pages)
         self.host_page += host_pages
-        return self._pad(start, with_host=False)
+        self.block_ids += [None] * len(host_pages)
+        self._extend_unmarked(len(host_pages))
 
-    def _pad(self, start: int, *, with_host: bool) -> int:
-        num = (len(self.block_ids) if with_host else len(self.host_page)) - start
-        if with_host:
-            self.host_page += [None] * num
-        else:
-            self.block_ids += [None] * num
+    def _extend_unmarked(self, num: int) -> None:
+        """No copy in flight and no demotion mark for `num` new pages."""
         self.copy_id += [None] * num
         self.demote_when_copied += [False] * num
-        return num
 
     def num_leading_off_device(self, end: int) -> int:
         """How many pages from the first, before `end`, the host pool holds (HOST or BOTH),
