@@ -364,6 +364,45 @@ def test_a_turn_without_room_for_its_lease_waits_for_it_while_others_run(model):
     assert turn.num_output_tokens == 8 and behind.num_output_tokens == 4
 
 
+def test_a_turn_waiting_for_its_lease_looks_its_history_up_in_the_host_pool_once(model, monkeypatch):
+    """The turn of `test_a_turn_without_room_for_its_lease_waits_for_it_while_others_run`
+    walks its history every step it waits. With no host page evicted meanwhile, the copies
+    its first walk found are still the pool's: later walks look up only the first page (where
+    the lease is tried) and the one past the copies (a copy published since would lengthen
+    the run), not every page again. The outcome is the same."""
+    h, turn, behind = a_next_turn_behind_runners_that_fill_the_pool(model, 640, 30)
+    pool = h.hisparse.residency.host_pool
+    lookup, lookup_all, looked_up = pool.lookup, pool.lookup_all, Counter()
+
+    def counted_lookup(block_hash):
+        looked_up[block_hash] += 1
+        return lookup(block_hash)
+
+    def counted_lookup_all(block_hashes):
+        looked_up.update(block_hashes)
+        return lookup_all(block_hashes)
+
+    monkeypatch.setattr(pool, "lookup", counted_lookup)
+    monkeypatch.setattr(pool, "lookup_all", counted_lookup_all)
+    walks, evictions = [], pool.evictions
+    while turn.request_id not in h.hisparse.residency.requests:
+        before = looked_up.copy()
+        observation = h.step()
+        walks.append({h_: n - before[h_] for h_, n in looked_up.items() if n > before[h_]})
+        check_block_accounting(h)
+    assert pool.evictions == evictions, "no host page was evicted while the turn waited"
+    waited = observation.hisparse_stats["lease_waits"]
+    assert waited >= 2, f"the turn waited {waited} steps"
+    history = turn.block_hashes[:10]  # 640 tokens: ten pages, all in the host pool
+    first_walk, *later_walks = [w for w in walks if history[0] in w]
+    assert set(history) <= set(first_walk), "the first walk finds every copy"
+    for walk in later_walks[: waited - 1]:
+        assert set(walk) & set(history) == {history[0]}, f"a later walk looked up {len(walk)} pages again"
+    assert observation.new_request_cached_tokens[turn.request_id] == 640, "the whole history is the hit"
+    run_checked(h)
+    assert turn.num_output_tokens == 8 and behind.num_output_tokens == 4
+
+
 def test_a_turn_whose_lease_would_not_halve_its_prefill_recomputes_instead_of_waiting(model):
     """A turn with more new tokens (400) than its history holds (320): the lease would save
     less than half its prefill, so the turn does not wait for it. It recomputes the history

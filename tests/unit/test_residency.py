@@ -721,3 +721,75 @@ TestResidencyMachine.settings = settings(max_examples=150, stateful_step_count=4
 def test_unknown_modes_are_refused(mode):
     with pytest.raises(ValueError, match="unknown HiSparse mode"):
         manager(mode=mode)
+
+
+class _CountedPool(HostPagePool):
+    """A host pool that counts the block hashes looked up (one by one and in batches)."""
+
+    def __init__(self, num_pages: int) -> None:
+        super().__init__(num_pages)
+        self.looked_up: Counter[object] = Counter()
+
+    def lookup(self, block_hash):
+        self.looked_up[block_hash] += 1
+        return super().lookup(block_hash)
+
+    def lookup_all(self, block_hashes):
+        self.looked_up.update(block_hashes)
+        return super().lookup_all(block_hashes)
+
+
+def _cached_copy(pool: HostPagePool, block_hash: str) -> int:
+    """A durable copy of `block_hash` that nobody references (a finished turn's)."""
+    page = pool.allocate()
+    pool.publish(page, block_hash)
+    pool.release(page)
+    return page
+
+
+def test_a_waiting_turns_host_copies_are_looked_up_again_only_when_they_may_have_changed():
+    """`Admissions._waiting_copies`, which a turn waiting for its lease calls every step: the
+    copies of its history from its first host page up to the first page the pool lacks. While
+    no host page is evicted it looks up only the page past the copies it found last step; a
+    copy published there lengthens the run; after an eviction it looks the run up again and
+    ends it at the evicted page."""
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.admission import Admissions
+    from vllm.v1.hisparse.kv_import import ImportKind
+
+    pool = _CountedPool(16)
+    hashes = [f"h{i}" for i in range(12)]
+    copies = [_cached_copy(pool, h) for h in hashes[:10]]  # h10 and h11: never copied
+    admissions = Admissions(
+        None,  # type: ignore[arg-type]  # the host pool is all this method reads
+        SimpleNamespace(host_pool=pool),  # type: ignore[arg-type]
+        block_size=16,
+        host_prefix_hits=True,
+        import_kind=ImportKind.DEVICE,
+        lease_blocks_for=lambda request: 1,
+        plans_issued=lambda: True,
+    )
+
+    def waiting_walk() -> list[int]:
+        pool.looked_up.clear()
+        first = [pool.lookup(hashes[0])]  # the walk's lookup of its first host page
+        found = admissions._waiting_copies("turn", hashes, first)
+        admissions.end_step()
+        return found
+
+    assert waiting_walk() == copies and set(pool.looked_up) == set(hashes), "first step: every page"
+    for _ in range(3):
+        assert waiting_walk() == copies
+        assert set(pool.looked_up) == {"h0", "h10"}, f"a later step looked up {sorted(pool.looked_up)}"
+    published = _cached_copy(pool, "h10")
+    assert waiting_walk() == [*copies, published], "a copy published past the run lengthens it"
+    # Every other copy referenced and every free page taken: the next allocation evicts h5's.
+    pool.retain_all(c for c in [*copies, published] if c != copies[5])
+    for _ in range(pool.num_pages - 11):
+        pool.allocate()
+    evictions = pool.evictions
+    pool.allocate()
+    assert pool.evictions == evictions + 1 and pool.lookup("h5") is None
+    assert waiting_walk() == copies[:5], "the run ends at the evicted page"
+    assert {"h1", "h2", "h3", "h4", "h5"} <= set(pool.looked_up), "looked up again after an eviction"

@@ -28,21 +28,30 @@ only through `KVCacheBlockAccess`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.hisparse.kv_import import ImportKind
 from vllm.v1.hisparse.plan import BlockId, HostPage, PageIndex, PageRestore
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
     from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
     from vllm.v1.hisparse.residency import ResidencyManager
     from vllm.v1.request import Request
+
+    # A walk's page: its sparse-MLA blocks (None where it comes from the host pool), and the
+    # other groups' blocks of the resident block it starts (none for a page inside one).
+    WalkPage = tuple[list[KVCacheBlock] | None, Sequence[KVCacheBlock]]
+
+# A HOST page inside a resident block, as the walk lists it: one shared object, which the
+# garbage collector does not track (a history's thousands of pages allocate nothing).
+_HOST_PAGE_INSIDE: tuple[None, tuple[()]] = (None, ())
 
 
 @dataclass
@@ -137,6 +146,11 @@ class Admissions:
         self._written = written
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
+        # The host copies that waiting turns' walks found past the first page they had no
+        # lease for (`_waiting_copies`), this step's and the last step's: request ->
+        # ((the first page's hash, the pages looked up, host pool evictions then), copies).
+        self._copies_this_step: dict[str, tuple[tuple[BlockHash, int, int], list[HostPage]]] = {}
+        self._copies_last_step: dict[str, tuple[tuple[BlockHash, int, int], list[HostPage]]] = {}
 
     # -- the record's life ---------------------------------------------------------
 
@@ -196,6 +210,7 @@ class Admissions:
         """schedule() is over: a record whose request was not allocated goes back."""
         for request_id in [rid for rid, record in self._records.items() if not record.allocated]:
             self.release(request_id)
+        self._copies_last_step, self._copies_this_step = self._copies_this_step, {}
 
     def _release_host_pages(self, pages: dict[PageIndex, HostPage]) -> None:
         for page in pages.values():
@@ -309,11 +324,36 @@ class Admissions:
         m = self.blocks.resident_multiple
         if start % m:
             return blocks, num_tokens
-        pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]] = []
+        pages: list[WalkPage] = []
         host_pages: dict[PageIndex, HostPage] = {}
-        other_page, mla_page = self.blocks.page_lookup(other_ids), self.blocks.page_lookup(mla_ids)
-        host_lookup = self.host_pool.lookup
+        other_page = self.blocks.page_lookup(other_ids)
         hashes = request.block_hashes
+        # The pages' lookups, from page `start` on: the sparse-MLA groups' and the host
+        # pool's, each made in windows that double as the walk goes, from one page (a history
+        # of thousands of pages costs a dozen calls, and a walk that ends at its first page
+        # looks up no other page). Nothing below allocates a host page or a block, so
+        # nothing they found can be evicted before the walk has retained or guarded it.
+        mla_at: list[list[KVCacheBlock] | None] = []
+        host_at: list[HostPage | None] = []
+
+        def look_up(
+            found: list[Any], lookup_all: Callable[[Sequence[BlockHash]], list[Any]], position: int
+        ) -> None:
+            """Extend `found` (one entry per page from `start` on) to cover `position`."""
+            while position - start >= len(found):
+                first = start + len(found)
+                found += lookup_all(hashes[first : min(first + len(found) + 1, max_pages)])
+
+        def mla_pages(position: int) -> list[KVCacheBlock] | None:
+            """The page's sparse-MLA blocks where every group caches it."""
+            look_up(mla_at, functools.partial(self.blocks.pages_cached, mla_ids), position)
+            return mla_at[position - start]
+
+        def host_copy(position: int) -> HostPage | None:
+            """The host pool's copy of the page (not retained)."""
+            look_up(host_at, self.host_pool.lookup_all, position)
+            return host_at[position - start]
+
         resident: dict[int, tuple[list[KVCacheBlock] | None, int]] = {}
         room_left = room  # alone: the room the pages taken leave
 
@@ -335,9 +375,8 @@ class Admissions:
             """Whether the walk takes this page (the loop's test, without the cap)."""
             if position >= max_pages:
                 return False
-            block_hash = hashes[position]
             return resident_block(position - (position - start) % m)[1] > position and (
-                mla_page(block_hash) is not None or host_lookup(block_hash) is not None
+                mla_pages(position) is not None or host_copy(position) is not None
             )
 
         def ends_at(num_pages: int) -> int:
@@ -353,10 +392,12 @@ class Admissions:
 
         # Pages whose blocks the record guards already; the first page whose lease failed.
         guarded = 0
-        no_lease_at: tuple[int, HostPage] | None = None  # and its host copy
+        no_lease_at: int | None = None
         block_end = start
-        for position in range(start, max_pages):
-            block_hash = hashes[position]
+        other: Sequence[KVCacheBlock] | None = ()
+        position = start - 1
+        while position + 1 < max_pages:
+            position += 1
             if (position - start) % m == 0:
                 # The other groups' blocks of the resident block starting here (the hash of
                 # its last page, or of the last page its partial entry holds, names it),
@@ -364,18 +405,47 @@ class Admissions:
                 other, block_end = resident_block(position)
                 if other is None:
                     break  # the indexer K cache of this page is gone: recompute from here
+                first, end = position - start, block_end - start
+                if (
+                    host_pages
+                    and not capped
+                    and host_copy(block_end - 1) is not None
+                    and None not in host_at[first:end]
+                ):
+                    # Past the first host page (whose lease found room), a resident block
+                    # whose every page the host pool holds: no page of it ends the hit, so it
+                    # is taken whole, as the page-by-page loop below would take it (deep in a
+                    # session's history, every block).
+                    mla_pages(block_end - 1)
+                    mla_run = mla_at[first:end]
+                    pages.append((mla_run[0], other))
+                    if mla_run.count(None) == len(mla_run):
+                        pages += [_HOST_PAGE_INSIDE] * (len(mla_run) - 1)
+                        host_pages.update(zip(range(position, block_end), host_at[first:end], strict=True))  # type: ignore[arg-type]
+                    else:
+                        pages += [(mla, ()) for mla in mla_run[1:]]
+                        host_pages.update(
+                            (PageIndex(p), h)
+                            for p, mla, h in zip(
+                                range(position, block_end), mla_run, host_at[first:end], strict=True
+                            )
+                            if mla is None and h is not None
+                        )
+                    room_left = room
+                    position = block_end - 1
+                    continue
             else:
-                other = []
+                other = ()
                 if position >= block_end:
                     break  # past the pages the resident block's entry holds
-            mla = mla_page(block_hash)
+            mla = mla_at[position - start] if position - start < len(mla_at) else mla_pages(position)
             if capped:
                 room -= sum(b.ref_cnt == 0 for b in other)
                 if room < 0:
                     break
                 if mla is not None:
                     touched = sum(b.ref_cnt == 0 for b in mla)
-                    if touched > room and host_lookup(block_hash) is not None:
+                    if touched > room and host_copy(position) is not None:
                         mla = None  # its host copy instead: the chunk needs the blocks
                     else:
                         room -= touched
@@ -384,16 +454,18 @@ class Admissions:
             if mla is None:
                 # Looked up, not yet retained: nothing below allocates a host page, so
                 # nothing can evict it before it is retained with the lease.
-                host_page = host_lookup(block_hash)
+                host_page = (
+                    host_at[position - start] if position - start < len(host_at) else host_copy(position)
+                )
                 if host_page is None:
                     break
                 if not host_pages and not capped and (not self.blocks.use_eagle or walks(position + 1)):
                     # The first host page needs the lease: when it cannot be had, the
                     # hit ends here, and the rest of the history is not walked.
-                    record.hit += [b for mla_blocks, other in pages for b in (mla_blocks or []) + other]
+                    record.hit += self._blocks_of(pages)
                     guarded = len(pages)
                     if not self._room_for_lease(request):
-                        no_lease_at = (position, host_page)
+                        no_lease_at = position
                         record.no_lease = True
                         self.counters.hits_without_lease += 1
                         break
@@ -411,8 +483,10 @@ class Admissions:
         if no_lease_at is not None:
             # The copies the request wants stay the most recently used, as if taken and
             # given back; its hit is the pages before them (each cached in every group).
-            position, first_copy = no_lease_at
-            copies = [first_copy, *self._host_copies_from(request, position + 1, max_pages)]
+            position = no_lease_at
+            copies = self._waiting_copies(
+                request.request_id, hashes[position:max_pages], host_at[position - start :]
+            )
             self.host_pool.touch(copies)
             record.unleased_pages = len(copies)
             record.walk_copies = (position, copies)
@@ -436,7 +510,7 @@ class Admissions:
             if dropped:
                 self.host_pool.touch(dropped)
         # The extension's device blocks are guarded with the hit before a lease is taken.
-        record.hit += [b for mla, other in pages[guarded:] for b in (mla or []) + other]
+        record.hit += self._blocks_of(pages[guarded:])
         if host_pages:
             record.lease = self._take_lease(request)
             if record.lease:
@@ -456,7 +530,7 @@ class Admissions:
             if record.no_lease:
                 record.unleased_pages = len(pages) - len(kept)
             if len(kept) < len(pages):
-                unused = {b.block_id for mla, other in pages[len(kept) :] for b in (mla or []) + other}
+                unused = {b.block_id for b in self._blocks_of(pages[len(kept) :])}
                 record.hit = [b for b in record.hit if b.block_id not in unused]
             pages = kept
             if not pages:
@@ -464,7 +538,42 @@ class Admissions:
         record.host_pages = host_pages
         return self._extension(blocks, num_tokens, pages)
 
-    def _final(self, other: list[KVCacheBlock]) -> bool:
+    def _waiting_copies(
+        self, request_id: str, hashes: Sequence[BlockHash], looked_up: list[HostPage | None]
+    ) -> list[HostPage]:
+        """The host copies of a request's pages with these hashes, up to the first page the
+        pool does not hold: a hit that found no room for its lease at the first of them.
+        `looked_up` is what the walk found for the first pages (the first one's a copy).
+
+        Such a turn waits, and walks its history again every step (`waits_for_lease`): while
+        no host page has been evicted, every copy its last walk found is still the pool's,
+        and only a copy published since, of the page past the last of them, can lengthen
+        the run; that one page is looked up, and the run again only when it is found."""
+
+        def copy_at(index: int) -> HostPage | None:
+            return looked_up[index] if index < len(looked_up) else self.host_pool.lookup(hashes[index])
+
+        key = (hashes[0], len(hashes), self.host_pool.evictions)
+        found = self._copies_this_step.get(request_id) or self._copies_last_step.get(request_id)
+        if found is not None and found[0] == key and found[1][0] == looked_up[0]:
+            copies = found[1]
+            if len(copies) == len(hashes) or copy_at(len(copies)) is None:
+                self._copies_this_step[request_id] = found
+                return copies
+        copies = []
+        for host_page in looked_up:
+            if host_page is None:
+                break
+            copies.append(host_page)
+        else:
+            for host_page in self.host_pool.lookup_all(hashes[len(looked_up) :]):
+                if host_page is None:
+                    break
+                copies.append(host_page)
+        self._copies_this_step[request_id] = (key, copies)
+        return copies
+
+    def _final(self, other: Sequence[KVCacheBlock]) -> bool:
         """Whether a resident block's blocks may be copied for a hit ending inside it: no
         request computes pages into them in this step (each is in the free queue, or no
         running request may write it: a finished request's, a held history's)."""
@@ -474,11 +583,21 @@ class Admissions:
         return not any(b.block_id in written for b in other)
 
     @staticmethod
-    def _unguard(
-        record: PendingAdmission, pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]]
-    ) -> None:
+    def _blocks_of(pages: list[WalkPage]) -> list[KVCacheBlock]:
+        """The device blocks of a walk's pages, in order (a HOST page has none in the
+        sparse-MLA groups, a page inside a resident block none in the others)."""
+        blocks: list[KVCacheBlock] = []
+        for mla, other in pages:
+            if mla:
+                blocks += mla
+            if other:
+                blocks += other
+        return blocks
+
+    @staticmethod
+    def _unguard(record: PendingAdmission, pages: list[WalkPage]) -> None:
         """The hit's guard no longer covers these pages' device blocks (the hit ends before them)."""
-        unused = {b.block_id for mla, other in pages for b in (mla or []) + other}
+        unused = {b.block_id for b in Admissions._blocks_of(pages)}
         if unused:
             record.hit = [b for b in record.hit if b.block_id not in unused]
 
@@ -486,7 +605,7 @@ class Admissions:
         self,
         blocks: KVCacheBlocks,
         num_tokens: int,
-        pages: list[tuple[list[KVCacheBlock] | None, list[KVCacheBlock]]],
+        pages: list[WalkPage],
     ) -> tuple[KVCacheBlocks, int]:
         """The hit extended by `pages`, group by group: a HOST page is the null block in
         every sparse-MLA group."""
@@ -532,18 +651,6 @@ class Admissions:
         if short > 0:
             self.residency.relieve_pressure(short, protected_blocks=self.hit_block_ids())
         return self.blocks.num_free_blocks() >= num_blocks
-
-    def _host_copies_from(self, request: Request, start: int, end: int) -> list[HostPage]:
-        """The host pool's copies of the request's pages from `start`, up to `end` or the
-        first it does not hold."""
-        copies = []
-        lookup = self.host_pool.lookup
-        for block_hash in request.block_hashes[start:end]:
-            page = lookup(block_hash)
-            if page is None:
-                break
-            copies.append(page)
-        return copies
 
     def room_when_alone(self, request: Request) -> int:
         """Free blocks a hit may touch when no request runs: what the request's first chunk

@@ -35,6 +35,8 @@ class HostPagePool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[Hashable, HostPage] = {}
         self._hash_of: dict[int, Hashable] = {}
+        # Cached copies evicted so far: while it stands, every lookup made since still holds.
+        self.evictions = 0
 
     # -- queries -------------------------------------------------------------
 
@@ -55,6 +57,10 @@ class HostPagePool:
         allocation may evict it; `retain_cached` for a page the caller will read)."""
         return self._by_hash.get(block_hash)
 
+    def lookup_all(self, block_hashes: Iterable[Hashable]) -> list[HostPage | None]:
+        """`lookup` of each of these blocks (a new turn's history, in one call)."""
+        return list(map(self._by_hash.get, block_hashes))
+
     def is_indexed(self, page: int) -> bool:
         """Whether the page is findable by a block hash (its copy is durable)."""
         return page in self._hash_of
@@ -67,6 +73,7 @@ class HostPagePool:
         elif self._evictable:
             page, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(page)]
+            self.evictions += 1
         else:
             raise HostPoolExhausted(f"all {self.num_pages} host pages are referenced")
         self._refs[page] = 1

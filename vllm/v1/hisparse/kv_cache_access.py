@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from itertools import repeat
+from typing import TYPE_CHECKING, cast
 
 from vllm.v1.core.kv_cache_utils import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
 from vllm.v1.hisparse.plan import BlockId, BlockTableUpdate, PageIndex
@@ -245,6 +246,30 @@ class KVCacheBlockAccess:
             return blocks
 
         return lookup
+
+    def pages_cached(
+        self, group_ids: Sequence[int], block_hashes: Sequence[BlockHash]
+    ) -> list[list[KVCacheBlock] | None]:
+        """`page_lookup(group_ids)` of each of these pages, in one pass per group (a new
+        turn's walk over a history of thousands of pages: no call per page and group)."""
+        # A group's key is the page's hash and the group's suffix (`make_block_hash_with_group_id`).
+        get_one_block = cast(
+            "Callable[[bytes], KVCacheBlock | None]", self._pool.cached_block_hash_to_block.get_one_block
+        )
+        columns = [
+            list(
+                map(
+                    get_one_block,
+                    map(
+                        bytes.__add__, block_hashes, repeat(make_block_hash_with_group_id(BlockHash(b""), g))
+                    ),
+                )
+            )
+            for g in group_ids
+        ]
+        if len(columns) == 1:
+            return [None if block is None else [block] for block in columns[0]]
+        return [list(row) if all(row) else None for row in zip(*columns, strict=True)]  # a block is truthy
 
     def with_columns(
         self, blocks: KVCacheBlocks, columns: Mapping[int, Sequence[KVCacheBlock]]

@@ -649,11 +649,19 @@ class ResidencyManager:
                 req = self.requests[request_id]
                 self._demote(req, list(req.both_demotable))
         wanted: list[tuple[str, int]] = []
+        requests = self.requests
         for request_id, index in self._marked:
             if len(wanted) >= self.max_copies_per_step:
                 break
-            page = self.requests[request_id].pages[index]
-            if page.state is PageState.DEVICE and not page.copying:  # a BOTH one waits for its lease
+            # DEVICE and not copying (`Page.state`, on the table's columns: the marked pages
+            # of a step's many copies in flight are read every step); a BOTH one waits for
+            # its lease.
+            table = requests[request_id].pages
+            if (
+                table.block_ids[index] is not None
+                and table.copy_id[index] is None
+                and table.host_page[index] is None
+            ):
                 wanted.append((request_id, index))
         if self.mode == "always" or self.proactive_copy:
             for req in self.requests.values():
