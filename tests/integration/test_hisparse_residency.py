@@ -260,6 +260,42 @@ def a_prefix_only_the_host_pool_holds(model: str):
     return h, shared, first
 
 
+def test_a_walks_batched_prefix_cache_lookups_equal_page_by_page_ones(model, monkeypatch):
+    """`KVCacheBlockAccess.pages_cached`, the walk's lookup of many pages at once, finds what
+    `page_lookup` finds page by page, in the sparse-MLA groups (six here, one page evicted
+    from only some of them) and the indexer's; like it, a group is not asked for a page an
+    earlier group lacks."""
+    h, _, first = a_prefix_only_the_host_pool_holds(model)
+    blocks = h.hisparse.blocks
+    # A second request's prefix, cached in every group, then evicted from the last three
+    # sparse-MLA groups for one page: it is cached in some groups, not all.
+    second = h.add_request(prompt(7, 640) + prompt(8, 20), max_tokens=8)
+    h.step()
+    partly = {h.block_ids(second.request_id)[g][3] for g in blocks.mla_group_ids[3:]}
+    run_checked(h)
+    h.kv_cache_manager.evict_blocks(partly)
+    hashes = [*first.block_hashes[:10], *second.block_hashes[:10], *first.block_hashes[10:12]]
+    prefix_cache = h.block_pool.cached_block_hash_to_block
+    get_one_block, asked = prefix_cache.get_one_block, []
+
+    def counted_get_one_block(key):
+        asked.append(key)
+        return get_one_block(key)
+
+    monkeypatch.setattr(prefix_cache, "get_one_block", counted_get_one_block)
+    for group_ids in (blocks.mla_group_ids, blocks.other_group_ids):
+        asked.clear()
+        one_by_one = [blocks.page_lookup(group_ids)(block_hash) for block_hash in hashes]
+        asked_one_by_one = sorted(asked)
+        asked.clear()
+        assert blocks.pages_cached(group_ids, hashes) == one_by_one
+        assert sorted(asked) == asked_one_by_one, "the same groups asked for the same pages"
+    found = blocks.pages_cached(blocks.mla_group_ids, hashes)
+    assert found[:10] == [None] * 10 and found[13] is None, "evicted from every group, or from some"
+    assert all(found[10 + i] is not None for i in (0, 1, 2, 4)), "cached in every group"
+    assert all(b is not None for b in blocks.pages_cached(blocks.other_group_ids, hashes[:20]))
+
+
 def test_a_prefix_only_the_host_pool_holds_starts_the_next_request_none(model):
     h, shared, _ = a_prefix_only_the_host_pool_holds(model)
     second = h.add_request(shared + prompt(5, 30), max_tokens=8)

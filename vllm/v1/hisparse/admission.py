@@ -335,6 +335,7 @@ class Admissions:
         # nothing they found can be evicted before the walk has retained or guarded it.
         mla_at: list[list[KVCacheBlock] | None] = []
         host_at: list[HostPage | None] = []
+        other_at: list[list[KVCacheBlock] | None] = []  # a block per page: the other groups'
 
         def look_up(
             found: list[Any], lookup_all: Callable[[Sequence[BlockHash]], list[Any]], position: int
@@ -360,6 +361,11 @@ class Admissions:
         def resident_block(first: int) -> tuple[list[KVCacheBlock] | None, int]:
             """The other groups' blocks of the resident block starting at page `first`, and
             the end of the pages of it the walk may take (`first` when none)."""
+            if m == 1 and first < max_pages:
+                # A block per page (the groups layout): the lookups batched as the others'.
+                look_up(other_at, functools.partial(self.blocks.pages_cached, other_ids), first)
+                other = other_at[first - start]
+                return (None, first) if other is None else (other, first + 1)
             if first not in resident:
                 found: tuple[list[KVCacheBlock] | None, int] = (None, first)
                 # The longest entry of the block: its full one, else its partial one.
@@ -407,15 +413,16 @@ class Admissions:
                     break  # the indexer K cache of this page is gone: recompute from here
                 first, end = position - start, block_end - start
                 if (
-                    host_pages
+                    m > 1
+                    and host_pages
                     and not capped
                     and host_copy(block_end - 1) is not None
                     and None not in host_at[first:end]
                 ):
-                    # Past the first host page (whose lease found room), a resident block
-                    # whose every page the host pool holds: no page of it ends the hit, so it
-                    # is taken whole, as the page-by-page loop below would take it (deep in a
-                    # session's history, every block).
+                    # Past the first host page (whose lease found room), a resident block of
+                    # the page layout whose every page the host pool holds: no page of it
+                    # ends the hit, so it is taken whole, as the page-by-page loop below would
+                    # take it (deep in a session's history, every block).
                     mla_pages(block_end - 1)
                     mla_run = mla_at[first:end]
                     pages.append((mla_run[0], other))

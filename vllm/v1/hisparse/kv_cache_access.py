@@ -251,25 +251,36 @@ class KVCacheBlockAccess:
         self, group_ids: Sequence[int], block_hashes: Sequence[BlockHash]
     ) -> list[list[KVCacheBlock] | None]:
         """`page_lookup(group_ids)` of each of these pages, in one pass per group (a new
-        turn's walk over a history of thousands of pages: no call per page and group)."""
+        turn's walk over a history of thousands of pages: no call per page and group). A
+        group is asked only for the pages every group before it caches, as `page_lookup`
+        stops at the first group that lacks the page."""
         # A group's key is the page's hash and the group's suffix (`make_block_hash_with_group_id`).
         get_one_block = cast(
             "Callable[[bytes], KVCacheBlock | None]", self._pool.cached_block_hash_to_block.get_one_block
         )
-        columns = [
-            list(
-                map(
-                    get_one_block,
-                    map(
-                        bytes.__add__, block_hashes, repeat(make_block_hash_with_group_id(BlockHash(b""), g))
-                    ),
-                )
-            )
-            for g in group_ids
-        ]
-        if len(columns) == 1:
-            return [None if block is None else [block] for block in columns[0]]
-        return [list(row) if all(row) else None for row in zip(*columns, strict=True)]  # a block is truthy
+        found: list[list[KVCacheBlock] | None] = []
+        wanted: list[int] = []  # the pages every group so far caches
+        for g in group_ids:
+            suffix = make_block_hash_with_group_id(BlockHash(b""), g)
+            if not found:
+                column = map(get_one_block, map(bytes.__add__, block_hashes, repeat(suffix)))
+                found = [None if block is None else [block] for block in column]
+                wanted = [i for i, blocks in enumerate(found) if blocks is not None]
+                continue
+            still = []
+            for i, block in zip(
+                wanted, map(get_one_block, [block_hashes[i] + suffix for i in wanted]), strict=True
+            ):
+                blocks = found[i]
+                if block is None or blocks is None:
+                    found[i] = None
+                else:
+                    blocks.append(block)
+                    still.append(i)
+            wanted = still
+            if not wanted:
+                break
+        return found
 
     def with_columns(
         self, blocks: KVCacheBlocks, columns: Mapping[int, Sequence[KVCacheBlock]]
