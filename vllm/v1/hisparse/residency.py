@@ -667,6 +667,8 @@ class ResidencyManager:
             for req in self.requests.values():
                 if len(wanted) >= self.max_copies_per_step:
                     break
+                if not req.uncopied:
+                    continue
                 indices = list(itertools.islice(req.uncopied, self.max_copies_per_step - len(wanted)))
                 wanted += [(req.request_id, index) for index in self._reuse_host_copies(req, indices)]
         copies: list[PageCopy] = []

@@ -490,10 +490,13 @@ class HiSparseScheduling:
             or (self.blocks.front_is_cached() and not self.blocks.frees_uncached(request.request_id))
         ):
             return
+        table = req.pages
         pages = [
-            (index, page.block_ids)
-            for index, page in enumerate(req.pages)
-            if page.block_ids is not None and page.state is PageState.BOTH
+            (index, block_ids)  # BOTH (`Page.state`, on the page table's columns)
+            for index, (block_ids, host_page, copy_id) in enumerate(
+                zip(table.block_ids, table.host_page, table.copy_id, strict=True)
+            )
+            if block_ids is not None and host_page is not None and copy_id is None
         ]
         self._host_backed += self.blocks.take_out_pages(request.request_id, pages, record=False)
 
@@ -704,16 +707,18 @@ class HiSparseScheduling:
                 request_id, request.block_hashes if self.enable_caching else (), self._max_tokens(request)
             )
         # What its admission holds passes to residency, page by page in table order.
-        record = self.admissions.take(request_id) or PendingAdmission(request_id)
-        try:
-            self._register_pages(request_id, record)
-        except (AssertionError, ValueError, KeyError) as error:
-            # This request's bookkeeping alone is wrong: it fails, returning what it holds.
-            self.admissions.give_back(record)
-            residency.finish(request_id)
-            self._fail(request_id, f"its pages could not be registered: {error}")
-            return
+        record = self.admissions.take(request_id)
         req = residency.requests[request_id]
+        if record is not None or len(req.pages) < self.blocks.num_table_pages(request_id):
+            record = record or PendingAdmission(request_id)
+            try:
+                self._register_pages(request_id, record)
+            except (AssertionError, ValueError, KeyError) as error:
+                # This request's bookkeeping alone is wrong: it fails, returning what it holds.
+                self.admissions.give_back(record)
+                residency.finish(request_id)
+                self._fail(request_id, f"its pages could not be registered: {error}")
+                return
         if new_request and req.state is RequestState.NONE:
             self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
