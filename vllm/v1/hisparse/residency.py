@@ -678,16 +678,19 @@ class ResidencyManager:
             except HostPoolExhausted:
                 break
             req = self.requests[request_id]
-            page = req.pages[index]
-            assert page.block_ids is not None and page.state is PageState.DEVICE and not page.copying
-            copy = PageCopy(
-                CopyId(next(self._copy_ids)), request_id, PageIndex(index), page.block_ids, host_page
-            )
-            page.host_page, page.copy_id = host_page, copy.copy_id
+            table = req.pages  # DEVICE, not copying (`Page.state`, on the columns)
+            block_ids = table.block_ids[index]
+            assert block_ids is not None and table.host_page[index] is None and table.copy_id[index] is None
+            copy = PageCopy(CopyId(next(self._copy_ids)), request_id, PageIndex(index), block_ids, host_page)
+            table.host_page[index], table.copy_id[index] = host_page, copy.copy_id
             self._in_flight[copy.copy_id] = copy
             req.uncopied.pop(index, None)
             req.copying[index] = None
-            if self.mode == "always" and index < req.num_demotable_pages and not page.demote_when_copied:
+            if (
+                self.mode == "always"
+                and index < req.num_demotable_pages
+                and not table.demote_when_copied[index]
+            ):
                 self._mark(req, index)
             copies.append(copy)
         return copies
