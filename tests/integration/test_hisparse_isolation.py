@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
 
 import pytest
 import tiny_models
-from scheduler_harness import HISPARSE, SchedulerHarness, record_lease_attempts, tiny_glm5_dir
+from scheduler_harness import (
+    HISPARSE,
+    SchedulerHarness,
+    record_host_lookups,
+    record_lease_attempts,
+    tiny_glm5_dir,
+)
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import COMPLETE_MARKER
@@ -567,24 +572,14 @@ def test_a_turn_whose_walk_found_no_room_for_its_lease_does_not_ask_again_for_a_
     # The connector's hit reads the host copies the walk found (no page looked up twice in
     # the step), and the pages left out for want of the lease count once.
     pool = h.hisparse.residency.host_pool
-    lookup, lookup_all, looked_up, unleased = pool.lookup, pool.lookup_all, Counter(), []
+    looked_up, unleased = record_host_lookups(monkeypatch, pool), []
     waits_for_lease = admissions.waits_for_lease
-
-    def counted_lookup(block_hash):
-        looked_up[block_hash] += 1
-        return lookup(block_hash)
-
-    def counted_lookup_all(block_hashes):
-        looked_up.update(block_hashes)
-        return lookup_all(block_hashes)
 
     def observed_waits_for_lease(request, num_computed_tokens):
         if (record := admissions._records.get(request.request_id)) is not None:
             unleased.append(record.unleased_pages)
         return waits_for_lease(request, num_computed_tokens)
 
-    monkeypatch.setattr(pool, "lookup", counted_lookup)
-    monkeypatch.setattr(pool, "lookup_all", counted_lookup_all)
     monkeypatch.setattr(admissions, "waits_for_lease", observed_waits_for_lease)
     while "D2" not in h.hisparse.residency.requests:
         admitted = h.step()

@@ -21,7 +21,7 @@ import pytest
 import tiny_models
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scheduler_harness import HISPARSE, SchedulerHarness, tiny_glm5_dir
+from scheduler_harness import HISPARSE, SchedulerHarness, record_host_lookups, tiny_glm5_dir
 
 from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION
@@ -408,18 +408,7 @@ def test_a_turn_waiting_for_its_lease_looks_its_history_up_in_the_host_pool_once
     the run), not every page again. The outcome is the same."""
     h, turn, behind = a_next_turn_behind_runners_that_fill_the_pool(model, 640, 30)
     pool = h.hisparse.residency.host_pool
-    lookup, lookup_all, looked_up = pool.lookup, pool.lookup_all, Counter()
-
-    def counted_lookup(block_hash):
-        looked_up[block_hash] += 1
-        return lookup(block_hash)
-
-    def counted_lookup_all(block_hashes):
-        looked_up.update(block_hashes)
-        return lookup_all(block_hashes)
-
-    monkeypatch.setattr(pool, "lookup", counted_lookup)
-    monkeypatch.setattr(pool, "lookup_all", counted_lookup_all)
+    looked_up = record_host_lookups(monkeypatch, pool)
     walks, evictions = [], pool.evictions
     while turn.request_id not in h.hisparse.residency.requests:
         before = looked_up.copy()

@@ -51,7 +51,7 @@ fidelity to a real engine is pinned by ``tests/integration/test_scheduler_harnes
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -611,3 +611,22 @@ def record_lease_attempts(monkeypatch, admissions) -> list[str]:
     monkeypatch.setattr(admissions, "_room_for_lease", counted_room)
     monkeypatch.setattr(admissions, "_take_lease", counted_take)
     return attempts
+
+
+def record_host_lookups(monkeypatch, pool) -> Counter:
+    """From now on, how often the host pool `pool` looks each block hash up (one by one, and
+    in the batches of `lookup_all`)."""
+    looked_up: Counter = Counter()
+    lookup, lookup_all = pool.lookup, pool.lookup_all
+
+    def counted_lookup(block_hash):
+        looked_up[block_hash] += 1
+        return lookup(block_hash)
+
+    def counted_lookup_all(block_hashes):
+        looked_up.update(block_hashes)
+        return lookup_all(block_hashes)
+
+    monkeypatch.setattr(pool, "lookup", counted_lookup)
+    monkeypatch.setattr(pool, "lookup_all", counted_lookup_all)
+    return looked_up
