@@ -264,7 +264,7 @@ def test_a_walks_batched_prefix_cache_lookups_equal_page_by_page_ones(model, mon
     """`KVCacheBlockAccess.pages_cached`, the walk's lookup of many pages at once, finds what
     `page_lookup` finds page by page, in the sparse-MLA groups (six here, one page evicted
     from only some of them) and the indexer's; like it, a group is not asked for a page an
-    earlier group lacks."""
+    earlier group lacks (and no group lacks a page: no group is asked)."""
     h, _, first = a_prefix_only_the_host_pool_holds(model)
     blocks = h.hisparse.blocks
     # A second request's prefix, cached in every group, then evicted from the last three
@@ -283,7 +283,7 @@ def test_a_walks_batched_prefix_cache_lookups_equal_page_by_page_ones(model, mon
         return get_one_block(key)
 
     monkeypatch.setattr(prefix_cache, "get_one_block", counted_get_one_block)
-    for group_ids in (blocks.mla_group_ids, blocks.other_group_ids):
+    for group_ids in (blocks.mla_group_ids, blocks.other_group_ids, ()):
         asked.clear()
         one_by_one = [blocks.page_lookup(group_ids)(block_hash) for block_hash in hashes]
         asked_one_by_one = sorted(asked)

@@ -258,11 +258,13 @@ class KVCacheBlockAccess:
         get_one_block = cast(
             "Callable[[bytes], KVCacheBlock | None]", self._pool.cached_block_hash_to_block.get_one_block
         )
+        if not group_ids:
+            return [[] for _ in block_hashes]  # as `page_lookup`: no group lacks the page
         found: list[list[KVCacheBlock] | None] = []
         wanted: list[int] = []  # the pages every group so far caches
-        for g in group_ids:
+        for n, g in enumerate(group_ids):
             suffix = make_block_hash_with_group_id(BlockHash(b""), g)
-            if not found:
+            if n == 0:
                 column = map(get_one_block, map(bytes.__add__, block_hashes, repeat(suffix)))
                 found = [None if block is None else [block] for block in column]
                 wanted = [i for i, blocks in enumerate(found) if blocks is not None]
