@@ -741,7 +741,12 @@ class Admissions:
         hit: dict[PageIndex, HostPage] = {}
         hashes, lookup = request.block_hashes, self.host_pool.lookup
         copies_from, copies = record.walk_copies
-        for position in range(num_local_tokens // self.block_size, -(-end // self.block_size)):
+        first_page, end_page = num_local_tokens // self.block_size, -(-end // self.block_size)
+        if copies_from == first_page and copies:
+            # The walk's copies, this step (every one a copy): the hit's first pages at once.
+            first_page = min(end_page, copies_from + len(copies))
+            hit.update(zip(range(copies_from, first_page), copies, strict=False))  # type: ignore[arg-type]
+        for position in range(first_page, end_page):
             host_page = None
             if 0 <= position - copies_from < len(copies):
                 host_page = copies[position - copies_from]  # the walk's lookup, this step
