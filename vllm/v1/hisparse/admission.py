@@ -336,6 +336,8 @@ class Admissions:
         mla_at: list[list[KVCacheBlock] | None] = []
         host_at: list[HostPage | None] = []
         other_at: list[list[KVCacheBlock] | None] = []  # a block per page: the other groups'
+        mla_lookup_all = functools.partial(self.blocks.pages_cached, mla_ids)
+        other_lookup_all = functools.partial(self.blocks.pages_cached, other_ids)
 
         def look_up(
             found: list[Any], lookup_all: Callable[[Sequence[BlockHash]], list[Any]], position: int
@@ -347,7 +349,7 @@ class Admissions:
 
         def mla_pages(position: int) -> list[KVCacheBlock] | None:
             """The page's sparse-MLA blocks where every group caches it."""
-            look_up(mla_at, functools.partial(self.blocks.pages_cached, mla_ids), position)
+            look_up(mla_at, mla_lookup_all, position)
             return mla_at[position - start]
 
         def host_copy(position: int) -> HostPage | None:
@@ -363,7 +365,7 @@ class Admissions:
             the end of the pages of it the walk may take (`first` when none)."""
             if m == 1 and first < max_pages:
                 # A block per page (the groups layout): the lookups batched as the others'.
-                look_up(other_at, functools.partial(self.blocks.pages_cached, other_ids), first)
+                look_up(other_at, other_lookup_all, first)
                 other = other_at[first - start]
                 return (None, first) if other is None else (other, first + 1)
             if first not in resident:
