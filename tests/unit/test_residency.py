@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vllm.config.hisparse import MAX_PREEMPTION_DEFERRALS
 from vllm.v1.hisparse.host_pool import HostPagePool, HostPoolExhausted
-from vllm.v1.hisparse.plan import host_page_runs
+from vllm.v1.hisparse.plan import CopyId, host_page_runs
 from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
 
 BLOCK = 64
@@ -176,6 +176,29 @@ def test_pressure_never_frees_a_page_whose_copy_is_in_flight():
     assert mgr.relieve_pressure(2) == 0, "still in flight"
     assert mgr.complete_copies(ids(copies)) == 2
     assert mgr.requests["a"].count(PageState.HOST) == 4
+    mgr.check()
+
+
+def test_copies_reported_in_one_batch_keep_every_count_even_when_one_report_is_wrong():
+    mgr, pool = manager(num_blocks=24, hot_rows=64, proactive_copy=False)
+    mgr.add_request("a")
+    grow(mgr, pool, "a", 7, 7 * BLOCK)
+    # Marked pages land out of order and demote in that order: not the front of the
+    # request's BOTH pages.
+    mgr.relieve_pressure(4)
+    copies = mgr.plan_copies()
+    assert len(copies) >= 4
+    first, second, *rest = copies
+    mgr.complete_copies([second.copy_id])
+    mgr.check()
+    with pytest.raises(RuntimeError, match="not in flight"):
+        mgr.complete_copies([first.copy_id, CopyId(10_000)])
+    mgr.check()  # the page reported before the wrong report changed state, and is counted
+    assert mgr.counters.pages_copied_to_host == 2
+    mgr.complete_copies(ids(rest))
+    req = mgr.requests["a"]
+    assert req.count(PageState.DEVICE) == 7 - len(copies) and mgr.counters.pages_copied_to_host == len(copies)
+    assert req.count(PageState.HOST) >= 3, "the pages landed in later reports were demoted"
     mgr.check()
 
 

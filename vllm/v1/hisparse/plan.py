@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, NewType
 
 # Bump when a field of the plan changes meaning; workers refuse other versions.
-HISPARSE_PLAN_VERSION = 8
+HISPARSE_PLAN_VERSION = 9
 
 # The ids that cross between scheduler and workers, typed so that a block id, a host
 # page and a page index cannot be passed one for another.
@@ -62,13 +62,14 @@ HOST_COUNTERS = (
 WORKER_COUNTERS = (*DEVICE_COUNTERS, *HOST_COUNTERS, "device_reads")
 
 
-@dataclass(frozen=True)
-class PageCopy:
+class PageCopy(NamedTuple):
     """One page, all sparse-MLA layers, device -> host after the forward.
 
     Workers report it by `copy_id`, never by request and page: a request that is
     preempted and resumes plans the same page again while the first copy may still
-    be in flight, and each report must reach the copy it belongs to.
+    be in flight, and each report must reach the copy it belongs to. A first turn's
+    prefill plans a copy per page (1,160 for 74K tokens): a named tuple is made in
+    less than half the time of a frozen dataclass.
     """
 
     copy_id: CopyId

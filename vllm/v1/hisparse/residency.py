@@ -752,28 +752,37 @@ class ResidencyManager:
         Returns the device blocks that lost their last reference.
         """
         freed = 0
+        landed = 0
         demote: dict[str, list[int]] = {}
-        for copy_id in copy_ids:
-            copy = self._reported(copy_id)
-            if self._end_orphan(copy, landed=True):
-                continue
-            req = self.requests[copy.request_id]
-            page = req.pages[copy.page_index]
-            assert page.copy_id == copy_id and page.block_ids == copy.block_ids
-            assert page.host_page == copy.host_page
-            page.copy_id = None
-            req.copying.pop(copy.page_index, None)
-            req.num_both_pages += 1
-            self._page_counts[PageState.DEVICE] -= 1
-            self._page_counts[PageState.BOTH] += 1
-            if copy.page_index < req.num_demotable_pages:
-                self._add_settled(req, copy.page_index)
-            self.counters.pages_copied_to_host += 1
-            block_hash = req.page_hash(copy.page_index)
-            if block_hash is not None:
-                self.host_pool.publish(copy.host_page, block_hash)
-            if page.demote_when_copied:
-                demote.setdefault(copy.request_id, []).append(copy.page_index)
+        requests, orphans, publish = self.requests, self._orphans, self.host_pool.publish
+        try:
+            for copy_id in copy_ids:
+                copy = self._reported(copy_id)
+                if orphans and self._end_orphan(copy, landed=True):
+                    continue
+                req = requests[copy.request_id]
+                # DEVICE -> BOTH on the table's columns (`Page.state`): a first turn's prefill
+                # lands about a page per 64 tokens, each read here once.
+                table, index = req.pages, copy.page_index
+                assert table.copy_id[index] == copy_id and table.block_ids[index] == copy.block_ids
+                assert table.host_page[index] == copy.host_page
+                table.copy_id[index] = None
+                req.copying.pop(index, None)
+                req.num_both_pages += 1
+                landed += 1
+                if index < req.num_demotable_pages:
+                    self._add_settled(req, index)
+                block_hash = req.page_hash(index)
+                if block_hash is not None:
+                    publish(copy.host_page, block_hash)
+                if table.demote_when_copied[index]:
+                    demote.setdefault(copy.request_id, []).append(index)
+        finally:
+            # Counted once for the call; a report that names no copy in flight raises
+            # after the pages before it changed state, and the counts keep up with them.
+            self._page_counts[PageState.DEVICE] -= landed
+            self._page_counts[PageState.BOTH] += landed
+            self.counters.pages_copied_to_host += landed
         for request_id, indices in demote.items():
             freed += self._demote(self.requests[request_id], indices)
         return freed
@@ -908,10 +917,11 @@ class ResidencyManager:
                 continue
             demotable = req.num_demotable_pages
             candidates = sorted(i for i in (*req.copying, *req.uncopied) if i < demotable)
-            already = sum(req.pages[i].demote_when_copied for i in candidates)
+            marks = req.pages.demote_when_copied
+            already = sum(marks[i] for i in candidates)
             # A first demotion also pays for the lease, out of the pages it frees.
             lease_pages = 0 if req.hot_blocks or already else -(-req.lease_blocks // self.blocks_per_page)
-            take = [i for i in candidates if not req.pages[i].demote_when_copied][: num_pages + lease_pages]
+            take = [i for i in candidates if not marks[i]][: num_pages + lease_pages]
             if not self._pays_for_lease(req, len(take) + already):
                 continue  # its demotion would cost more blocks than it frees
             for index in take:
@@ -919,7 +929,7 @@ class ResidencyManager:
             num_pages -= len(take) - lease_pages
 
     def _mark(self, req: RequestResidency, index: int) -> None:
-        req.pages[index].demote_when_copied = True
+        req.pages.demote_when_copied[index] = True
         req.uncopied.pop(index, None)
         self._marked[(req.request_id, index)] = None
 
@@ -937,53 +947,63 @@ class ResidencyManager:
         """
         if not indices:
             return 0
+        table, request_id = req.pages, req.request_id
+        block_ids, host_page, demote_when_copied = table.block_ids, table.host_page, table.demote_when_copied
         if not req.hot_blocks:
             # Blocks whose frees wait for the step in flight cannot fund the lease now.
             freeable = (
                 0
                 if self.allocator.frees_are_deferred()
-                else sum(self.allocator.num_exclusive(req.pages[i].block_ids or ()) for i in indices)
+                else sum(self.allocator.num_exclusive(block_ids[i] or ()) for i in indices)
             )
             if freeable + self.allocator.num_free_blocks() < req.lease_blocks:
                 # It cannot pay for its lease: unmark, so no one waits on these pages.
                 for index in indices:
-                    if req.pages[index].demote_when_copied:
-                        req.pages[index].demote_when_copied = False
-                        self._marked.pop((req.request_id, index), None)
+                    if demote_when_copied[index]:
+                        demote_when_copied[index] = False
+                        self._marked.pop((request_id, index), None)
                 self.counters.victims_skipped += 1
                 return 0
+        # BOTH pages only (`Page.state`, on the table's columns).
+        copy_id = table.copy_id
         dropped = []
         for index in indices:
-            page = req.pages[index]
-            assert page.state is PageState.BOTH, "a page leaves the GPU only once its copy is durable"
-            assert page.block_ids is not None
-            dropped.append((index, page.block_ids))
-        freed = self.allocator.drop_pages(req.request_id, dropped)
+            blocks = block_ids[index]
+            assert blocks is not None and host_page[index] is not None and copy_id[index] is None, (
+                "a page leaves the GPU only once its copy is durable"
+            )
+            dropped.append((index, blocks))
+        freed = self.allocator.drop_pages(request_id, dropped)
         demotable = req.num_demotable_pages
-        demoted = set(indices)
+        marked = self._marked
         for index in indices:
-            page = req.pages[index]
-            page.block_ids = None
-            if page.demote_when_copied:
-                page.demote_when_copied = False
-                self._marked.pop((req.request_id, index), None)
-            if index < demotable:
-                req.num_host_demotable += 1
-        if req.both_demotable:
-            req.both_demotable = [i for i in req.both_demotable if i not in demoted]
+            block_ids[index] = None
+            if demote_when_copied[index]:
+                demote_when_copied[index] = False
+                marked.pop((request_id, index), None)
+        req.num_host_demotable += sum(1 for index in indices if index < demotable)
+        both = req.both_demotable
+        if both:
+            num = len(indices)
+            if both[:num] == list(indices):
+                # Relief takes the oldest BOTH pages first: drop them from the front.
+                del both[:num]
+            else:
+                demoted = set(indices)
+                req.both_demotable = [i for i in both if i not in demoted]
         req.num_host_pages += len(indices)
         req.num_both_pages -= len(indices)
         self._page_counts[PageState.BOTH] -= len(indices)
         self._page_counts[PageState.HOST] += len(indices)
         if not req.both_demotable:
-            self._settled.pop(req.request_id, None)
+            self._settled.pop(request_id, None)
         self.counters.pages_demoted += len(indices)
         demoted_pages: list[tuple[int, HostPage]] = []
         for i in indices:
-            host_page = req.pages.host_page[i]
-            assert host_page is not None
-            demoted_pages.append((i, host_page))
-        self._new_host_pages += host_page_runs(req.request_id, demoted_pages)
+            page = host_page[i]
+            assert page is not None
+            demoted_pages.append((i, page))
+        self._new_host_pages += host_page_runs(request_id, demoted_pages)
         if not req.hot_blocks:
             req.hot_blocks = self.allocator.take(req.lease_blocks)
             freed -= req.lease_blocks
