@@ -593,14 +593,17 @@ class ResidencyManager:
         for state in PageState:
             self._page_counts[state] -= req.count(state)  # kept as pages change (`check`)
         pages = req.pages
-        for index, copy_id in enumerate(pages.copy_id):
-            if pages.demote_when_copied[index]:
+        # The marked pages and those being copied, from the columns and `copying` (kept as
+        # pages change, `check`): not a pass per page of a history of thousands.
+        if any(pages.demote_when_copied):
+            for index in itertools.compress(itertools.count(), pages.demote_when_copied):
                 self._marked.pop((request_id, index), None)
-            if copy_id is not None:
-                block_ids = pages.block_ids[index]
-                assert block_ids is not None and pages.host_page[index] is not None
-                self.allocator.hold(block_ids)
-                self._orphans[copy_id] = req.page_hash(index)
+        for index in req.copying:
+            copy_id = pages.copy_id[index]
+            block_ids = pages.block_ids[index]
+            assert copy_id is not None and block_ids is not None and pages.host_page[index] is not None
+            self.allocator.hold(block_ids)
+            self._orphans[copy_id] = req.page_hash(index)
         self.host_pool.release_all(
             page
             for page, copy_id in zip(pages.host_page, pages.copy_id, strict=True)
