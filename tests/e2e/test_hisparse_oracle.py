@@ -155,11 +155,13 @@ def test_both_announcement_flags_under_pressure_keep_the_tokens(model, spec_name
     indexer blocks and HiSparse serves the sparse-MLA pages of the same hit from its host
     pool: restored into the hit's blocks where the pool has room (hybrid), or left on the
     host with the request starting NONE (always). Tokens and loaded prefixes equal the
-    connector-only run with a pool that holds everything, and the connector never stored a
+    connector-only run with a pool that holds everything, computed in the same chunks and
+    steps (the connector's loads are waited for), and the connector never stored a
     sparse-MLA page."""
     pressed, reference = alike(
         lambda: offloading_turns(model, spec_name, attention_config=hisparse(mode), **PRESSURE),
         lambda: offloading_turns(model, spec_name, **REPLAY_BUDGET),
+        same_steps=True,
     )
     tokens, tokens2, cached2, stats, preemptions, offload = pressed
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0

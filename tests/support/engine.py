@@ -113,46 +113,91 @@ def prefill_chunks(record: dict | None = None, replay: dict | None = None) -> It
 
 
 @contextmanager
-def scheduled_steps(record: list | None = None, replay: list | None = None) -> Iterator[None]:
+def scheduled_steps(
+    record: list | None = None, replay: list | None = None, loads: set | None = None
+) -> Iterator[None]:
     """Record which requests (by prompt) each schedule() call served, or serve only those.
 
     Replayed, a step's other requests are out of the scheduler's sight for that call
-    (running ones keep their blocks) and come back in their places after it. With the
-    prefill chunks replayed too, the second run's forwards hold the same requests with
-    the same tokens as the first's: the CPU's matmuls may round a row differently in a
-    batch of another size, which, like a chunk of another length, can swap an fp8
-    near-tie in the indexer's top-K.
+    (running ones keep their blocks, waiting ones their places, in either waiting queue)
+    and come back in their places after it. With the prefill chunks replayed too, the
+    second run's forwards hold the same requests with the same tokens as the first's: the
+    CPU's matmuls may round a row differently in a batch of another size, which, like a
+    chunk of another length, can swap a near-tie in the indexer's top-K.
+
+    A KV connector's loads finish after a number of steps that neither run controls, so
+    with `loads` a replay waits for them instead of letting them move requests between
+    forwards. Recording, `loads` collects the requests whose connector load the first run
+    started. Replaying, a step whose requests include one of those not yet looked up
+    first shows the scheduler only such requests (their lookups start the loads, and
+    nothing is computed); while a step's request still waits for its load, the scheduler
+    sees no request at all. Neither call uses up the step. A request that the replay
+    looks up and that does not wait for a load is computed alone, which the comparison
+    of the forwards then shows.
     """
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
 
+    remote_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
     schedule = Scheduler.schedule
-    steps = iter(replay if replay is not None else ())
+    steps = list(replay) if replay is not None else []
+    position = 0
+    looked_up: set[str] = set()
 
     def key(request) -> tuple[int, ...]:
         return tuple(request.prompt_token_ids)
 
+    def loading(self, request) -> bool:
+        return request.status == remote_kvs and request.request_id not in self.finished_recving_kv_req_ids
+
+    def visible_for(self, allowed) -> tuple[set[int], bool]:
+        """The requests the scheduler may see this call, and whether it uses up the step."""
+        queued = list(self.waiting) + list(self.skipped_waiting)
+        mine = [r for r in queued if key(r) in allowed]
+        if loads is not None:
+            fresh = [
+                r
+                for r in mine
+                if key(r) in loads and r.request_id not in looked_up and r.status == RequestStatus.WAITING
+            ]
+            if fresh:
+                looked_up.update(r.request_id for r in fresh)
+                return {id(r) for r in fresh}, False
+        if any(loading(self, r) for r in mine):
+            return set(), False
+        return {id(r) for r in list(self.running) + queued if key(r) in allowed}, True
+
+    def restore(before: list, now: list, hidden: set[int]) -> list:
+        """`before` in its order, less what left while visible, then what joined."""
+        kept = {id(r) for r in now}
+        return [r for r in before if id(r) in hidden or id(r) in kept] + [
+            r for r in now if all(r is not q for q in before)
+        ]
+
     def gated(self, *args, **kwargs):
-        allowed = next(steps, None) if replay is not None else None
-        if allowed is None:
+        nonlocal position
+        if replay is None or position >= len(steps):
             output = schedule(self, *args, **kwargs)
         else:
-            running, waiting = list(self.running), list(self.waiting)
-            hidden = {id(r) for r in running + waiting if key(r) not in allowed}
+            visible, uses_step = visible_for(self, steps[position])
+            running, waiting, skipped = list(self.running), list(self.waiting), list(self.skipped_waiting)
+            hidden = {id(r) for r in running + waiting + skipped if id(r) not in visible}
             self.running = [r for r in running if id(r) not in hidden]
             self.waiting.remove_requests([r for r in waiting if id(r) in hidden])
+            self.skipped_waiting.remove_requests([r for r in skipped if id(r) in hidden])
             try:
                 output = schedule(self, *args, **kwargs)
             finally:
-                now_running, now_waiting = {id(r) for r in self.running}, {id(r) for r in self.waiting}
-                self.running = [r for r in running if id(r) in hidden or id(r) in now_running] + [
-                    r for r in self.running if all(r is not q for q in running)
-                ]
-                back = [r for r in waiting if id(r) in hidden or id(r) in now_waiting]
-                back += [r for r in self.waiting if all(r is not q for q in waiting)]
-                self.waiting.clear()
-                self.waiting.extend(back)
+                self.running = restore(running, list(self.running), hidden)
+                for queue, before in ((self.waiting, waiting), (self.skipped_waiting, skipped)):
+                    back = restore(before, list(queue), hidden)
+                    queue.clear()
+                    queue.extend(back)
+            position += uses_step
         if record is not None:
             record.append(frozenset(key(self.requests[rid]) for rid in output.num_scheduled_tokens))
+        if loads is not None and replay is None:
+            loads.update(key(r) for r in self.skipped_waiting if r.status == remote_kvs)
         return output
 
     Scheduler.schedule = gated

@@ -119,17 +119,18 @@ def alike(
     chunks; returns both results, having checked that the chunks were the same. The chunks
     recorded go into `recorded` when given. With `same_steps`, each of the reference's
     forwards also holds the same requests as the first run's (`scheduled_steps`), checked
-    too: for runs without a KV connector, whose loads move requests between steps; the
-    steps recorded go into `recorded_steps` when given."""
+    too; a KV connector's loads are waited for, not let move requests between forwards.
+    The steps recorded go into `recorded_steps` when given."""
     recorded = {} if recorded is None else recorded
     replayed: dict = {}
     steps: list | None = ([] if recorded_steps is None else recorded_steps) if same_steps else None
     replayed_steps: list | None = [] if same_steps else None
-    with prefill_chunks(record=recorded), scheduled_steps(record=steps):
+    loads: set | None = set() if same_steps else None
+    with prefill_chunks(record=recorded), scheduled_steps(record=steps, loads=loads):
         pressed = under_pressure()
     with (
         prefill_chunks(record=replayed, replay=recorded),
-        scheduled_steps(record=replayed_steps, replay=steps),
+        scheduled_steps(record=replayed_steps, replay=steps, loads=loads),
     ):
         resident = reference()
     assert scheduled_chunks(replayed) == scheduled_chunks(recorded), "the reference chunked alike"
