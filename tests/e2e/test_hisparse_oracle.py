@@ -15,8 +15,10 @@ recomputes its prefix, which is not the resident run's arithmetic.
 Like is compared with like: under pressure, staging and hot leases shorten
 prefill chunks, and a chunk of another length alone changes the shapes of the
 indexer's matmuls, which (even in fp32) can move an fp8 score across a near-tie
-and swap a token on one CPU and not on another. So each reference replays the
-HiSparse run's prefill chunks (`alike`), and the test checks that it did.
+and swap a token on one CPU and not on another; so can a forward whose batch holds
+other requests. So each reference replays the HiSparse run's prefill chunks and the
+requests of each of its forwards (`alike`, `same_steps`; a KV connector's loads are
+waited for), and the test checks that it did.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def test_tokens_under_pressure_equal_the_all_resident_run(model, mode):
             lambda: two_turns(model, churn=True, attention_config=hisparse(mode), **PRESSURE)
         ),
         multiprocessing_off(lambda: two_turns(model, **REPLAY_BUDGET)),
+        same_steps=True,
     )
     tokens, tokens2, cached2, stats, preemptions, exported = pressed
     ref_tokens, ref_tokens2, ref_cached2, *_ = resident
@@ -117,7 +120,9 @@ def test_async_scheduling_under_pressure_keeps_the_tokens(model):
             return two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE)
 
     pressed, resident = alike(
-        multiprocessing_off(under_pressure), multiprocessing_off(lambda: two_turns(model, **REPLAY_BUDGET))
+        multiprocessing_off(under_pressure),
+        multiprocessing_off(lambda: two_turns(model, **REPLAY_BUDGET)),
+        same_steps=True,
     )
     tokens, tokens2, cached2, stats, preemptions, _ = pressed
     ref_tokens, ref_tokens2, ref_cached2, *_ = resident
@@ -189,6 +194,7 @@ def test_layers_that_share_an_indexer_share_one_resolution_and_keep_the_tokens()
     pressed, reference = alike(
         multiprocessing_off(lambda: two_turns(model, churn=True, attention_config=hisparse(), **PRESSURE)),
         multiprocessing_off(lambda: two_turns(model, **REPLAY_BUDGET)),
+        same_steps=True,
     )
     tokens, tokens2, cached2, stats, preemptions, _ = pressed
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
@@ -394,6 +400,7 @@ def test_draft_verification_under_pressure_equals_the_all_resident_run(model):
     pressed, resident = alike(
         lambda: speculative_run(model, attention_config=hisparse(), **PRESSURE),
         lambda: speculative_run(model, **REPLAY_BUDGET),
+        same_steps=True,
     )
     (tokens, stats, drafts, preemptions), (reference, _, reference_drafts, _) = pressed, resident
     assert reference_drafts > 0 and drafts > 0
@@ -446,6 +453,7 @@ def test_mtp_drafts_and_tokens_under_pressure_equal_the_all_resident_run(spec):
     pressed, resident = alike(
         lambda: mtp_run(model, attention_config=hisparse(), **MTP_PRESSURE),
         lambda: mtp_run(model, **REPLAY_BUDGET),
+        same_steps=True,
     )
     (tokens, drafts, stats, preemptions), (reference, reference_drafts, *_) = pressed, resident
     assert stats["pages_demoted"] > 0 and stats["rows_loaded"] > 0 and preemptions == 0
@@ -466,6 +474,7 @@ def test_mtp_second_turns_start_from_host_prefixes_like_the_all_resident_run():
             )
         ),
         multiprocessing_off(lambda: two_turns(model, speculative_config=MTP, **REPLAY_BUDGET)),
+        same_steps=True,
     )
     tokens, tokens2, cached2, stats, preemptions, _ = pressed
     assert stats["request_steps_none"] > 0 and stats["host_prefix_pages_reused"] > 0
