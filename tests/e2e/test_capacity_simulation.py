@@ -369,6 +369,17 @@ def test_quick_simulation_of_glm53_on_8xh200_prints_one_record_per_configuration
         # The scheduler's measured time against the steps' simulated time.
         assert record["scheduler_share_of_step"] > 0
         assert 0 <= record["steps_scheduler_over_step"] <= 1
+        # The same measured time over the run, per scheduled request and by kind of step.
+        assert record["scheduler_s_total"] * 1e3 == pytest.approx(
+            record["scheduler_ms_per_step"] * record["steps"], rel=1e-9
+        )
+        # A step scheduled at least one request and at most every running one.
+        scheduled_per_step = (
+            record["scheduler_ms_per_step"] * 1e3 / record["scheduler_us_per_scheduled_request"]
+        )
+        assert 1 - 1e-9 <= scheduled_per_step <= record["max_running"] + 1e-9
+        assert record["scheduler_ms_turn_steps"] > 0 and record["scheduler_ms_other_steps"] > 0
+        assert record["labels"]["scheduler_us_per_scheduled_request"] == "measured"
         assert record["labels"]["mean_running"] == record["labels"]["scheduler_share_of_step"] == "simulated"
         assert record["labels"]["preemptions"] == record["labels"]["scheduler_ms_per_step"] == "measured"
     # 8 x H200 holds about eight 75K-token sessions whole: hybrid runs more of the 32 at once.

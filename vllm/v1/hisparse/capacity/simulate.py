@@ -30,6 +30,7 @@ import array
 import copy
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import random
@@ -99,6 +100,10 @@ MEASURED = (
     "steps",
     "scheduler_ms_per_step",
     "scheduler_ms_p99",
+    "scheduler_s_total",
+    "scheduler_us_per_scheduled_request",
+    "scheduler_ms_turn_steps",
+    "scheduler_ms_other_steps",
     "requests_failed",
     "requests",
     "output_tokens",
@@ -196,6 +201,14 @@ class Record:
     steps: int = 0
     scheduler_ms_per_step: float = 0.0
     scheduler_ms_p99: float = 0.0
+    # The same time over the whole run, and per request scheduled in a step: a policy that
+    # runs more requests at once schedules more of them per step, and takes fewer steps.
+    scheduler_s_total: float = 0.0
+    scheduler_us_per_scheduled_request: float = 0.0
+    # Its mean over the steps that scheduled a new request (a turn's admission, which looks
+    # up and registers its whole history), and over the other steps.
+    scheduler_ms_turn_steps: float = 0.0
+    scheduler_ms_other_steps: float = 0.0
     # The scheduler's measured CPU time against the simulated steps it scheduled: its sum
     # over theirs, and the share of steps it outlasted. With async scheduling (vLLM's
     # default) the next step is scheduled while the GPU runs this one, so only a
@@ -425,6 +438,8 @@ class Simulation:
         accounting = StepAccounting(self.scheduler)
         sched_ms: list[float] = []
         step_ms: list[float] = []  # the simulated time of each step sched_ms measured
+        scheduled: list[int] = []  # the requests each of those steps scheduled
+        turn_steps: list[bool] = []  # whether it scheduled a new request
         spec_tokens = self.model.shape.num_speculative_tokens
         scheduler = self.scheduler
         ids = 0
@@ -529,6 +544,8 @@ class Simulation:
             t_update = time.perf_counter() - t0
             if busy:
                 sched_ms.append((t_schedule + t_update) * 1e3)
+                scheduled.append(len(output.num_scheduled_tokens))
+                turn_steps.append(bool(output.scheduled_new_reqs))
                 step_ms.append(seconds * 1e3)
                 record.steps += 1
             # Tokens produced this step, and the turns that ended.
@@ -588,6 +605,13 @@ class Simulation:
         record.later_turn_ttft_p50_s = percentile(later, 0.5)
         record.scheduler_ms_per_step = statistics.fmean(sched_ms) if sched_ms else 0.0
         record.scheduler_ms_p99 = percentile(sched_ms, 0.99)
+        record.scheduler_s_total = sum(sched_ms) / 1e3
+        if sum(scheduled):
+            record.scheduler_us_per_scheduled_request = sum(sched_ms) * 1e3 / sum(scheduled)
+        turn_ms = list(itertools.compress(sched_ms, turn_steps))
+        other_ms = [ms for ms, turn in zip(sched_ms, turn_steps, strict=True) if not turn]
+        record.scheduler_ms_turn_steps = statistics.fmean(turn_ms) if turn_ms else 0.0
+        record.scheduler_ms_other_steps = statistics.fmean(other_ms) if other_ms else 0.0
         if sched_ms and sum(step_ms) > 0:
             record.scheduler_share_of_step = sum(sched_ms) / sum(step_ms)
             record.steps_scheduler_over_step = sum(
@@ -881,6 +905,7 @@ TABLE_FIELDS = (
     ("bytes_to_host", "GB to host (sim)", "{:.1f}"),
     ("bytes_from_host", "GB from host (sim)", "{:.1f}"),
     ("scheduler_ms_per_step", "scheduler ms/step", "{:.2f}"),
+    ("scheduler_us_per_scheduled_request", "scheduler µs/scheduled request", "{:.0f}"),
     ("steps_scheduler_over_step", "steps scheduler > GPU (sim)", "{:.1%}"),
 )
 
