@@ -365,3 +365,51 @@ def test_the_benchmark_runs_each_layout_it_names(tmp_path):
     groups, page = (layouts[name]["work_per_step"]["blocks allocated"] for name in ("groups", "page"))
     assert page * 10 < groups
     assert layouts["page"]["new_prompt_tokens"] == layouts["groups"]["new_prompt_tokens"] > 0
+
+
+def test_registering_a_history_in_the_page_layout_keeps_no_object_per_page():
+    """A new turn's history is thousands of pages. With one sparse-MLA group, a page's
+    entry is one block id, a tuple shared by every page of that block: registering the
+    history allocates none, so it brings no young collection of the garbage collector
+    nearer (each walks the new requests' token lists)."""
+    import gc
+
+    with page_layout.layout("page"):
+        h = sh.SchedulerHarness.create(
+            num_blocks=600,
+            attention_config=HISPARSE,
+            max_num_batched_tokens=1024,
+            max_num_seqs=8,
+            max_model_len=4096,
+        )
+    tokens = prompt(3, 3000)
+    first = h.add_request(tokens, 2)
+    while not first.is_finished():
+        h.step()
+    hisparse = h.scheduler.hisparse
+    register = hisparse._register_pages
+    kept: list[tuple[int, int]] = []  # (pages registered, objects the collector tracks more)
+
+    def counting(request_id, record):
+        pages_before = len(hisparse.residency.requests[request_id].pages)
+        before = gc.get_count()[0]
+        register(request_id, record)
+        kept.append(
+            (len(hisparse.residency.requests[request_id].pages) - pages_before, gc.get_count()[0] - before)
+        )
+
+    hisparse._register_pages = counting
+    # Python reuses freed one-element tuples (up to 2,000) without counting them as
+    # allocations; a long-running engine keeps its pages' tuples, so none are left to reuse.
+    drained = [(i,) for i in range(4000)]
+    gc.disable()
+    try:
+        h.add_request(tokens, 2, request_id="again")
+        h.step()
+    finally:
+        gc.enable()
+    del drained
+    h.run_until_done(max_steps=100)
+    pages, objects = kept[0]
+    assert pages >= (len(tokens) - 1) // PAGE - 1, "the history hit the prefix cache and registered at once"
+    assert objects < pages / 2, f"{objects} objects kept for {pages} pages"

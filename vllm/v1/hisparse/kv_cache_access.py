@@ -66,6 +66,13 @@ class KVCacheBlockAccess:
         self.null_block_id = BlockId(self.null_block.block_id)
         # A demoted page's entries, one per sparse-MLA group.
         self._null_ids = (self.null_block_id,) * len(self.mla_group_ids)
+        # With one sparse-MLA group (the page layout), a page's entry is one block id: one
+        # shared tuple per block, made here, so that registering a new turn's history of
+        # thousands of pages allocates none (each would count towards the garbage
+        # collector's next young collection, which walks the new requests' token lists).
+        self._rows: list[tuple[BlockId, ...]] | None = None
+        if len(self._mla) == 1:
+            self._rows = [(BlockId(i),) for i in range(self._pool.num_gpu_blocks)]
         self.use_eagle = kv_cache_manager.use_eagle
         self.updates: list[BlockTableUpdate] = []
         self._scheduler: Scheduler | None = None
@@ -306,6 +313,21 @@ class KVCacheBlockAccess:
 
     def num_table_pages(self, request_id: str) -> int:
         return len(self._mla[0].req_to_blocks.get(request_id, ()))
+
+    def page_rows(self, request_id: str, start: int, end: int) -> list[tuple[BlockId, ...]]:
+        """The request's pages [start, end), each as `page_block_ids` gives it (one block
+        id per sparse-MLA group), in one pass per group. A group whose table ends before
+        `end` raises ValueError."""
+        if self._rows is not None:
+            rows = self._rows
+            column = self._mla[0].req_to_blocks[request_id][start:end]
+            if len(column) != end - start:
+                raise ValueError(f"{request_id}: {len(column)} pages from page {start}, not {end - start}")
+            return [rows[b.block_id] for b in column]
+        columns = [
+            [b.block_id for b in column[: end - start]] for column in self.page_columns(request_id, start)
+        ]
+        return list(zip(*columns, strict=True))  # type: ignore[arg-type]
 
     def page_columns(self, request_id: str, start: int) -> list[list[KVCacheBlock]]:
         """The request's sparse-MLA table entries from page `start` on, one list per group:

@@ -738,11 +738,7 @@ class HiSparseScheduling:
             # Each page's block ids, one per sparse-MLA group (a new turn's history is
             # thousands of pages: one pass per group, not one call per page).
             # A group whose table is shorter than the first's raises ValueError.
-            columns = [
-                [b.block_id for b in column[: end - start]]
-                for column in self.blocks.page_columns(request_id, start)
-            ]
-            rows: list[tuple[BlockId, ...]] = list(zip(*columns, strict=True))
+            rows = self.blocks.page_rows(request_id, start, end)
             if not record.host_pages and not record.restores:
                 self._append_device_pages(request_id, start, rows)
             else:
