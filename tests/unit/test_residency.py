@@ -348,6 +348,26 @@ def test_retaining_many_host_pages_at_once_is_retaining_each():
         pool.retain_all([1])
 
 
+def test_retaining_many_cached_copies_by_hash_at_once_is_retaining_each():
+    def pool_after(at_once: bool) -> tuple:
+        pool = HostPagePool(8)
+        pages = [pool.allocate() for _ in range(5)]
+        for page, block_hash in zip(pages, "abcde", strict=True):
+            pool.publish(page, block_hash)
+        for page in pages[2:]:
+            pool.release(page)  # cached, not referenced
+        wanted = ["d", "x", "a", "e", "a"]  # "x": no copy
+        if at_once:
+            found = pool.retain_all_cached(wanted)
+        else:
+            found = [pool.retain_cached(block_hash) for block_hash in wanted]
+        return found, [pool.refs(page) for page in pages], pool.num_available, pool.allocate()
+
+    found, refs, *_ = pool_after(True)
+    assert found[1] is None and refs == [3, 1, 0, 1, 1]
+    assert pool_after(True) == pool_after(False)
+
+
 def test_a_host_only_prefix_starts_the_next_request_none():
     mgr, pool = manager(mode="always", hot_rows=64)
     mgr.add_request("a", block_hashes=["h0", "h1", "h2"])
@@ -470,6 +490,41 @@ def test_a_cancelled_copy_leaves_the_page_resident_and_returns_its_host_slot():
     assert [c.page_index for c in retry] == [0, 1], "still marked for demotion"
     mgr.complete_copies(ids(retry))
     assert mgr.requests["a"].count(PageState.HOST) == 2
+    mgr.check()
+    pool.check(mgr)
+
+
+def test_pages_whose_copies_the_pool_holds_become_both_in_any_order_and_keep_relief_ascending():
+    # Proactive copy finds the host pool already holding two pages' content (an earlier
+    # request's landed copies) and makes them BOTH without a copy, in one batch. They come
+    # after pages the request copied itself (a cancelled copy's page is retried last), so
+    # relief's list, oldest first, must take them in before those.
+    mgr, pool = manager(num_blocks=40, host_pages=32)
+    hashes = [f"h{i}" for i in range(6)]
+    mgr.add_request("b", block_hashes=hashes)
+    grow(mgr, pool, "b", 6, 6 * BLOCK)
+    copies = mgr.plan_copies()
+    assert sorted(c.page_index for c in copies) == list(range(6))
+    mgr.cancel_copies(ids(c for c in copies if c.page_index < 2))
+    mgr.complete_copies(ids(c for c in copies if c.page_index >= 2))
+    req = mgr.requests["b"]
+    assert req.both_demotable == [2, 3, 4] and list(req.uncopied) == [0, 1]
+    earlier = {}
+    for block_hash in ("h1", "h0"):
+        page = mgr.host_pool.allocate()
+        mgr.host_pool.publish(page, block_hash)
+        mgr.host_pool.release(page)
+        earlier[block_hash] = page
+    assert mgr.plan_copies() == [], "both pages' content is in the pool already"
+    assert req.both_demotable == [0, 1, 2, 3, 4] and not req.uncopied
+    assert [req.pages[i].host_page for i in (0, 1)] == [earlier["h0"], earlier["h1"]]
+    assert mgr.counters.copies_avoided == 2
+    assert mgr.pages_by_state() == {PageState.DEVICE: 0, PageState.BOTH: 6, PageState.HOST: 0}
+    mgr.check()
+    pool.check(mgr)
+    assert mgr.relieve_pressure(2) == 2  # net of the hot lease the first demotion takes
+    host = [i for i in range(6) if req.pages[i].state is PageState.HOST]
+    assert host[:2] == [0, 1] and host == list(range(len(host))), "oldest first"
     mgr.check()
     pool.check(mgr)
 

@@ -109,6 +109,12 @@ class HostPagePool:
             self.retain(page)
         return page
 
+    def retain_all_cached(self, block_hashes: Iterable[Hashable]) -> list[HostPage | None]:
+        """`retain_cached` of each of these blocks (a new turn's history, in one call)."""
+        found = list(map(self._by_hash.get, block_hashes))
+        self.retain_all(page for page in found if page is not None)
+        return found
+
     def touch(self, pages: Iterable[int]) -> None:
         """Make these pages' cached copies the most recently used, in this order (as
         retaining and releasing each would); referenced pages are left as they are."""

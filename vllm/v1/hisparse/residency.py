@@ -705,26 +705,28 @@ class ResidencyManager:
         pages, in order, that still need a copy."""
         hashes, host_pages, demote = req.block_hashes, req.pages.host_page, req.pages.demote_when_copied
         num_hashes, num_demotable = len(hashes), req.num_demotable_pages
-        retain_cached, uncopied = self.host_pool.retain_cached, req.uncopied
-        to_copy: list[int] = []
-        reused = 0
-        for index in indices:
-            block_hash = hashes[index] if index < num_hashes else None
-            host_page = None
-            if block_hash is not None and not demote[index]:
-                host_page = retain_cached(block_hash)
-            if host_page is None:
-                to_copy.append(index)
-                continue
+        # A new turn's history is thousands of pages: retained in one call. A page marked for
+        # demotion, or without a hash yet, is copied.
+        eligible = [i for i in indices if i < num_hashes and not demote[i]]
+        found = self.host_pool.retain_all_cached([hashes[i] for i in eligible])
+        reused = [i for i, host_page in zip(eligible, found, strict=True) if host_page is not None]
+        if not reused:
+            return list(indices)
+        copies = [host_page for host_page in found if host_page is not None]
+        uncopied = req.uncopied
+        for index, host_page in zip(reused, copies, strict=True):
             host_pages[index] = host_page
             uncopied.pop(index, None)
-            reused += 1
-            if index < num_demotable:
-                self._add_settled(req, index)
-        req.num_both_pages += reused
-        self._page_counts[PageState.DEVICE] -= reused
-        self._page_counts[PageState.BOTH] += reused
-        self.counters.copies_avoided += reused
+        self._add_all_settled(req, [i for i in reused if i < num_demotable])
+        if len(reused) == len(indices):
+            to_copy = []
+        else:
+            taken = set(reused)
+            to_copy = [i for i in indices if i not in taken]
+        req.num_both_pages += len(copies)
+        self._page_counts[PageState.DEVICE] -= len(copies)
+        self._page_counts[PageState.BOTH] += len(copies)
+        self.counters.copies_avoided += len(copies)
         return to_copy
 
     def _reported(self, copy_id: CopyId) -> PageCopy:
@@ -938,6 +940,20 @@ class ResidencyManager:
 
     def _add_settled(self, req: RequestResidency, index: int) -> None:
         bisect.insort(req.both_demotable, index)
+        if not req.held:
+            self._settled[req.request_id] = None
+
+    def _add_all_settled(self, req: RequestResidency, indices: list[int]) -> None:
+        """`_add_settled` of each of these pages (a new turn's history reused at once: one
+        merge, not an insertion per page)."""
+        if not indices:
+            return
+        both = req.both_demotable
+        if not (both and min(indices) < both[-1]) and all(a < b for a, b in itertools.pairwise(indices)):
+            both += indices  # past every page there, in order (a history's usual case)
+        else:
+            both += indices
+            both.sort()
         if not req.held:
             self._settled[req.request_id] = None
 
