@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pages < 2 or args.repeats < 1:
         parser.error("--pages must be at least 2 and --repeats at least 1")
+    from vllm.v1.hisparse.capacity.__main__ import logs_to_stderr
+
+    logs_to_stderr()  # stdout is the report
     calls: Counter = Counter()
     reuse_once(args.pages, calls)
     times = [reuse_once(args.pages) for _ in range(args.repeats)]

@@ -112,7 +112,7 @@ class HostPagePool:
     def retain_all_cached(self, block_hashes: Iterable[Hashable]) -> list[HostPage | None]:
         """`retain_cached` of each of these blocks (a new turn's history, in one call)."""
         found = list(map(self._by_hash.get, block_hashes))
-        self.retain_all(page for page in found if page is not None)
+        self.retain_all([page for page in found if page is not None])
         return found
 
     def touch(self, pages: Iterable[int]) -> None:

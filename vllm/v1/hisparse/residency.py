@@ -949,11 +949,10 @@ class ResidencyManager:
         if not indices:
             return
         both = req.both_demotable
-        if not (both and min(indices) < both[-1]) and all(a < b for a, b in itertools.pairwise(indices)):
-            both += indices  # past every page there, in order (a history's usual case)
-        else:
-            both += indices
-            both.sort()
+        in_order = indices == sorted(indices)
+        both += indices
+        if not in_order or (len(both) > len(indices) and indices[0] < both[-len(indices) - 1]):
+            both.sort()  # otherwise past every page there, in order (a history's usual case)
         if not req.held:
             self._settled[req.request_id] = None
 
