@@ -331,14 +331,20 @@ def test_releasing_many_host_pages_at_once_is_releasing_each():
         pool.release_all([page, page])
 
 
+def five_published_pages() -> tuple[HostPagePool, list]:
+    """A pool of 8 host pages: copies "a" and "b" referenced, "c", "d" and "e" cached."""
+    pool = HostPagePool(8)
+    pages = [pool.allocate() for _ in range(5)]
+    for page, block_hash in zip(pages, "abcde", strict=True):
+        pool.publish(page, block_hash)
+    for page in pages[2:]:
+        pool.release(page)  # cached, not referenced
+    return pool, pages
+
+
 def test_retaining_many_host_pages_at_once_is_retaining_each():
     def pool_after(retain_all: bool) -> tuple:
-        pool = HostPagePool(8)
-        pages = [pool.allocate() for _ in range(5)]
-        for page, block_hash in zip(pages, "abcde", strict=True):
-            pool.publish(page, block_hash)
-        for page in pages[2:]:
-            pool.release(page)  # cached, not referenced
+        pool, pages = five_published_pages()
         each_or_all(pool, "retain", [pages[3], pages[0], pages[4], pages[0]], retain_all)
         return [pool.refs(page) for page in pages], pool.num_available, pool.allocate()
 
@@ -350,12 +356,7 @@ def test_retaining_many_host_pages_at_once_is_retaining_each():
 
 def test_retaining_many_cached_copies_by_hash_at_once_is_retaining_each():
     def pool_after(at_once: bool) -> tuple:
-        pool = HostPagePool(8)
-        pages = [pool.allocate() for _ in range(5)]
-        for page, block_hash in zip(pages, "abcde", strict=True):
-            pool.publish(page, block_hash)
-        for page in pages[2:]:
-            pool.release(page)  # cached, not referenced
+        pool, pages = five_published_pages()
         wanted = ["d", "x", "a", "e", "a"]  # "x": no copy
         if at_once:
             found = pool.retain_all_cached(wanted)
