@@ -948,11 +948,10 @@ class ResidencyManager:
         merge, not an insertion per page)."""
         if not indices:
             return
-        both = req.both_demotable
-        in_order = indices == sorted(indices)
-        both += indices
-        if not in_order or (len(both) > len(indices) and indices[0] < both[-len(indices) - 1]):
-            both.sort()  # otherwise past every page there, in order (a history's usual case)
+        # Two ascending runs (a history's usual case) sort in one pass, the second past the
+        # first in a few comparisons.
+        req.both_demotable += indices
+        req.both_demotable.sort()
         if not req.held:
             self._settled[req.request_id] = None
 
