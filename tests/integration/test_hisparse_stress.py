@@ -217,3 +217,48 @@ def run_stress(
     assert stats["pages_demoted"] + seen["preempted"] > 0 or memory_mib >= 10, (stats, seen)
     if drafter:  # the drafter's tokens were verified, and some accepted
         assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted
+
+
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_a_turns_host_pages_registered_as_one_run_equal_registering_them_page_by_page(
+    model, tmp_path, monkeypatch, layout
+):
+    """A new turn whose hit brings its history's demoted pages as one run of host pages
+    registers that run in one call (`_register_one_host_run`) instead of walking the pages
+    one by one (`_register_mixed_pages`' loop): the same traffic under pressure schedules,
+    plans and registers exactly the same either way, and the run was taken."""
+    from vllm.v1.hisparse.scheduling import HiSparseScheduling
+
+    one_run = HiSparseScheduling._register_one_host_run
+    runs: list[int] = []
+
+    def counted(self, request_id, record, start, rows):
+        pages = len(record.host_pages)
+        taken = one_run(self, request_id, record, start, rows)
+        if taken:
+            runs.append(pages)
+        return taken
+
+    def trace(page_by_page: bool) -> list[tuple]:
+        monkeypatch.setattr(
+            HiSparseScheduling, "_register_one_host_run", (lambda *args: False) if page_by_page else counted
+        )
+        rng = random.Random(f"one-run-{layout}")
+        h = SchedulerHarness.create(
+            model=model,
+            memory_bytes=7 << 20,
+            attention_config={"hisparse_config": {"host_pool_gib": 400.5 * PAGE_GIB, "kv_layout": layout}},
+            max_model_len=1024,
+            max_num_batched_tokens=256,
+            report_delay=lambda: rng.randint(0, 3),
+        )
+        run_sessions(h, rng, "none")
+        assert_nothing_held(h)
+        return [
+            (o.num_scheduled_tokens, o.block_table_lengths, o.hisparse_states, o.hisparse_stats,
+             o.hisparse_plan)
+            for o in h.observations
+        ]  # fmt: skip
+
+    assert trace(page_by_page=False) == trace(page_by_page=True)
+    assert runs and max(runs) >= 4, f"host runs registered in one call: {runs}"

@@ -765,6 +765,8 @@ class HiSparseScheduling:
     ) -> None:
         """As `_register_pages`, for new pages among which the admission placed host pages or
         restores: consecutive pages of one kind pass over in one run each."""
+        if self._register_one_host_run(request_id, record, start, rows):
+            return
         residency = self.residency
         # The pending run of host pages, by position: each stays the record's until residency
         # has taken it (a registration that fails gives back what the record still holds).
@@ -808,6 +810,29 @@ class HiSparseScheduling:
             del record.restores[PageIndex(position)]
         pass_run()
         pass_device_run(start + len(rows))
+
+    def _register_one_host_run(
+        self, request_id: str, record: PendingAdmission, start: int, rows: list[tuple[BlockId, ...]]
+    ) -> bool:
+        """`_register_mixed_pages` where the admission's host pages are one run of
+        consecutive pages among the new ones, with no restore and no import: the device
+        pages before the run, the run, the device pages after it, each in one call, and no
+        loop over the pages in Python (a turn's history under pressure: a run of thousands).
+        False, registering nothing, where the pages are laid out otherwise."""
+        host = record.host_pages
+        if not host or record.restores or record.landed:
+            return False
+        first, last = min(host), max(host)
+        if first < start or last >= start + len(rows) or last - first + 1 != len(host):
+            return False
+        self._append_device_pages(request_id, start, rows[: first - start])
+        # Taken by residency before the record lets them go (a failure gives back the rest).
+        pages = [page for _, page in sorted(host.items())]
+        self.residency.append_host_pages(request_id, pages, record.lease, imported=False)
+        record.lease = []
+        host.clear()
+        self._append_device_pages(request_id, last + 1, rows[last + 1 - start :])
+        return True
 
     # -- observation -----------------------------------------------------------
 
