@@ -404,6 +404,39 @@ def test_the_ownership_check_sees_a_held_history_block_that_is_also_leased(model
         h.hisparse.check_ownership()
 
 
+def test_the_ownership_check_sees_a_block_table_that_disagrees_with_residency(model):
+    """Residency records other blocks for a resident page than its block table holds: the
+    check names the request, the page and both."""
+    h = pressured(model)
+    h.hisparse.check_ownership()
+    req = next(r for r in h.hisparse.residency.requests.values() if len(r.pages) > 1)
+    index = next(i for i, p in enumerate(req.pages) if p.block_ids is not None and not p.copying)
+    other = next(p.block_ids for p in req.pages if p.block_ids not in (None, req.pages[index].block_ids))
+    req.pages[index].block_ids = other
+    state = req.pages[index].state.value
+    with pytest.raises(OwnershipError, match=rf"{req.request_id} page {index} \({state}\): table holds"):
+        h.hisparse.check_ownership()
+
+
+def test_the_ownership_check_sees_an_unreferenced_block_missing_from_the_free_queue(model):
+    h = pressured(model)
+    block = next(b for b in h.block_pool.free_block_queue.get_all_free_blocks() if not b.is_null)
+    h.block_pool.free_block_queue.remove(block)
+    with pytest.raises(OwnershipError, match=rf"the free queue holds \[{block.block_id}\] wrongly"):
+        h.hisparse.check_ownership()
+
+
+def test_the_ownership_check_sees_a_host_page_both_free_and_referenced(model):
+    """A referenced host page put back among the never-used ones in place of a free one:
+    every count still adds up, but one page has two states."""
+    h = pressured(model)
+    pool = h.hisparse.residency.host_pool
+    referenced = next(iter(pool._refs))
+    pool._never_used[-1] = referenced
+    with pytest.raises(OwnershipError, match="a host page is in two of free, cached and referenced"):
+        h.hisparse.check_ownership()
+
+
 def offloading_harness(
     model: str, engine_id: str, report_delay: int, mode: str = "hybrid"
 ) -> SchedulerHarness:

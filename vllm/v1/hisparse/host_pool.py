@@ -163,11 +163,14 @@ class HostPagePool:
 
     def check(self) -> None:
         """Assert the pool's invariants (used by tests and debug builds)."""
-        free = set(self._never_used)
-        cached = set(self._evictable)
-        referenced = set(self._refs)
-        assert not (free & cached) and not (free & referenced) and not (cached & referenced)
-        assert len(free) + len(cached) + len(referenced) == self.num_pages
-        assert all(n > 0 for n in self._refs.values())
-        assert set(self._hash_of) == set(self._by_hash.values())
-        assert cached <= set(self._hash_of) and not (free & set(self._hash_of))
+        # Every page is free, cached or referenced, and only one of them: the three hold
+        # num_pages entries in all, and num_pages distinct pages.
+        never_used, cached, refs, hash_of = self._never_used, self._evictable, self._refs, self._hash_of
+        assert len(never_used) + len(cached) + len(refs) == self.num_pages
+        pages = set(never_used)
+        pages.update(cached)
+        pages.update(refs)
+        assert len(pages) == self.num_pages, "a host page is in two of free, cached and referenced"
+        assert not refs or min(refs.values()) > 0
+        assert len(hash_of) == len(self._by_hash) and hash_of.keys() == set(self._by_hash.values())
+        assert cached.keys() <= hash_of.keys() and hash_of.keys().isdisjoint(never_used)

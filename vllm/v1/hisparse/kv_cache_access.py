@@ -457,13 +457,12 @@ class KVCacheBlockAccess:
 
     # -- what the ownership check reads ----------------------------------------------
 
-    def table_entries(self) -> Iterator[tuple[str, int, int, KVCacheBlock]]:
-        """(request, group, position, block) of every non-null entry of every block table."""
-        for group_id, manager in enumerate(self._groups):
+    def table_block_ids(self) -> Iterator[tuple[str, list[int]]]:
+        """(request, the block ids of its table in one group), for every group and request:
+        every entry, the null block's included."""
+        for manager in self._groups:
             for request_id, blocks in manager.req_to_blocks.items():
-                for position, block in enumerate(blocks):
-                    if not block.is_null:
-                        yield request_id, group_id, position, block
+                yield request_id, [block.block_id for block in blocks]
 
     def deferred_references(self) -> Counter[int]:
         """Block -> references waiting in the scheduler's deferred-free queue."""

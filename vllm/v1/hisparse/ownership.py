@@ -30,7 +30,7 @@ It reads every holder through its owner's methods and changes nothing.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -56,11 +56,12 @@ def ownership_violations(
     `histories`: block -> references the held histories hold."""
     problems: list[str] = []
 
+    # Every block table entry, counted per block (the null block's entries dropped after).
+    null = blocks.null_block_id
     tables: Counter[int] = Counter()
-    table_owners: dict[int, set[str]] = defaultdict(set)
-    for request_id, _, _, block in blocks.table_entries():
-        tables[block.block_id] += 1
-        table_owners[block.block_id].add(request_id)
+    for _, block_ids in blocks.table_block_ids():
+        tables.update(block_ids)
+    tables.pop(null, None)
     records = list(admissions.records())
     exclusive: Counter[int] = Counter(residency.leased_blocks())
     exclusive.update(b for record in records for b in record.lease)
@@ -77,9 +78,9 @@ def ownership_violations(
         if holders > 1:
             problems.append(f"block {block_id} is in {holders} leases or staging sets")
         if block_id in tables:
+            owners = sorted({r for r, ids in blocks.table_block_ids() if block_id in ids})
             problems.append(
-                f"block {block_id} is in the block table of {sorted(table_owners[block_id])} "
-                "and in a lease or staging set"
+                f"block {block_id} is in the block table of {owners} and in a lease or staging set"
             )
         if block_id in hits:
             problems.append(f"block {block_id} is leased or staged and a pending admission's prefix hit")
@@ -88,36 +89,47 @@ def ownership_violations(
     free_queue = blocks.free_queue_ids()
     if len(free_queue) != len(set(free_queue)):
         problems.append("a block is in the free queue twice")
-    unreferenced = set()
-    for block in blocks.pool_blocks():
+    # Each block's references against its holders, the pool's tens of thousands of blocks
+    # read in two passes, a line made only for a block whose count is wrong.
+    references = tables.copy()
+    for counts in (exclusive, deferred, held, histories):
+        references.update(counts)
+    expected = references.get
+    pool = blocks.pool_blocks()
+    for block in [block for block in pool if block.ref_cnt != expected(block.block_id, 0)]:
+        b = block.block_id
         if block.is_null:
             continue
-        b = block.block_id
-        expected = tables[b] + exclusive[b] + deferred[b] + held[b] + histories[b]
-        if block.ref_cnt != expected:
-            problems.append(
-                f"block {b}: {block.ref_cnt} references, {expected} holders (tables {tables[b]}, "
-                f"leases/staging {exclusive[b]}, deferred frees {deferred[b]}, "
-                f"copies of ended requests {held[b]}, held histories {histories[b]})"
-            )
-        if block.ref_cnt == 0:
-            unreferenced.add(b)
+        problems.append(
+            f"block {b}: {block.ref_cnt} references, {references[b]} holders (tables {tables[b]}, "
+            f"leases/staging {exclusive[b]}, deferred frees {deferred[b]}, "
+            f"copies of ended requests {held[b]}, held histories {histories[b]})"
+        )
+    unreferenced = {block.block_id for block in pool if block.ref_cnt == 0}
+    unreferenced.discard(null)
     if set(free_queue) != unreferenced:
         problems.append(
             f"the free queue holds {sorted(set(free_queue) ^ unreferenced)[:8]} wrongly: it must "
             "hold exactly the unreferenced blocks"
         )
 
-    null = blocks.null_block_id
+    # A request's pages in its block table against its residency, a column at a time.
     for request_id, req in residency.requests.items():
-        for index, page in enumerate(req.pages):
-            in_table = blocks.page_block_ids(request_id, index)
-            wanted = page.block_ids if page.block_ids is not None else (null,) * len(in_table)
-            if tuple(in_table) != tuple(wanted):
-                problems.append(
-                    f"{request_id} page {index} ({page.state.value}): table holds {list(in_table)}, "
-                    f"residency {list(wanted)}"
-                )
+        num_pages = len(req.pages)
+        columns = [column[:num_pages] for column in blocks.page_columns(request_id, 0)]
+        if any(len(column) < num_pages for column in columns):
+            problems.append(f"{request_id}: {num_pages} pages, fewer in its block table")
+            continue
+        in_table = list(zip(*([b.block_id for b in column] for column in columns), strict=True))
+        host = (null,) * len(columns)
+        wanted = [host if ids is None else ids for ids in req.pages.block_ids]
+        if in_table != wanted:
+            for index, (found, want) in enumerate(zip(in_table, wanted, strict=True)):
+                if found != tuple(want):
+                    problems.append(
+                        f"{request_id} page {index} ({req.pages[index].state.value}): table holds "
+                        f"{list(found)}, residency {list(want)}"
+                    )
 
     writers: Counter[int] = Counter(copy.host_page for copy in residency.copies_in_flight())
     writers.update(record.host_pages[p] for record in records for p in record.landed)

@@ -189,6 +189,14 @@ class PageTable:
         self.copy_id += [None] * num
         self.demote_when_copied += [False] * num
 
+    def states(self) -> list[PageState]:
+        """Every page's state, as `Page.state` gives one page's (for checks that read them all)."""
+        host, both, device = PageState.HOST, PageState.BOTH, PageState.DEVICE
+        return [
+            host if ids is None else both if slot is not None and copy is None else device
+            for ids, slot, copy in zip(self.block_ids, self.host_page, self.copy_id, strict=True)
+        ]
+
     def num_leading_off_device(self, end: int) -> int:
         """How many pages from the first, before `end`, the host pool holds (HOST or BOTH),
         up to the first DEVICE one."""
@@ -1070,20 +1078,23 @@ class ResidencyManager:
         page_counts = dict.fromkeys(PageState, 0)
         marked = set()
         for req in self.requests.values():
-            states = [p.state for p in req.pages]
+            pages = req.pages
+            states = pages.states()
             demotable = req.num_demotable_pages
             assert req.num_host_pages == states.count(PageState.HOST)
             assert req.num_both_pages == states.count(PageState.BOTH)
             assert req.num_host_demotable == states[:demotable].count(PageState.HOST)
             assert req.both_demotable == [i for i in range(demotable) if states[i] is PageState.BOTH]
             assert (req.request_id in self._settled) == (bool(req.both_demotable) and not req.held)
-            assert set(req.copying) == {i for i, p in enumerate(req.pages) if p.copying}
+            copying = [i for i, copy_id in enumerate(pages.copy_id) if copy_id is not None]
+            assert set(req.copying) == set(copying)
+            demote = pages.demote_when_copied
             assert set(req.uncopied) == {
                 i
-                for i, p in enumerate(req.pages[: req.num_complete_pages])
-                if p.state is PageState.DEVICE and not p.copying and not p.demote_when_copied
+                for i in range(min(req.num_complete_pages, len(states)))
+                if states[i] is PageState.DEVICE and pages.copy_id[i] is None and not demote[i]
             }
-            marked |= {(req.request_id, i) for i, p in enumerate(req.pages) if p.demote_when_copied}
+            marked |= {(req.request_id, i) for i, d in enumerate(demote) if d}
             for state in states:
                 page_counts[state] += 1
             assert len(req.hot_blocks) in (0, req.lease_blocks) and req.lease_blocks <= self.hot_lease_blocks
@@ -1093,16 +1104,19 @@ class ResidencyManager:
                 assert req.num_host_pages * self.blocks_per_page <= req.lease_blocks, (
                     "a lease sized to the whole context holds every HOST row"
                 )
-            for index, page in enumerate(req.pages):
-                if page.block_ids is None:
-                    assert page.host_page is not None and not page.copying
-                if page.copy_id is not None:
-                    copy = self._in_flight.get(page.copy_id)
-                    assert copy is not None and page.copy_id not in self._orphans, (
-                        f"{req.request_id} page {index}: copy {page.copy_id} is not in flight for it"
-                    )
-                    assert (copy.request_id, copy.page_index) == (req.request_id, index)
-                    assert (copy.block_ids, copy.host_page) == (page.block_ids, page.host_page)
+            assert all(
+                slot is not None and copy_id is None
+                for ids, slot, copy_id in zip(pages.block_ids, pages.host_page, pages.copy_id, strict=True)
+                if ids is None
+            ), "a HOST page has no host copy, or a copy in flight"
+            for index in copying:
+                page = pages[index]
+                copy = self._in_flight.get(page.copy_id)  # type: ignore[arg-type]
+                assert copy is not None and page.copy_id not in self._orphans, (
+                    f"{req.request_id} page {index}: copy {page.copy_id} is not in flight for it"
+                )
+                assert (copy.request_id, copy.page_index) == (req.request_id, index)
+                assert (copy.block_ids, copy.host_page) == (page.block_ids, page.host_page)
         for copy_id, copy in self._in_flight.items():
             if copy_id not in self._orphans:
                 owner = self.requests.get(copy.request_id)
