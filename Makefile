@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV_PY := .venv/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`, a test file at a time each (0: one process)
+PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
@@ -13,7 +15,7 @@ setup:
 
 ## test: setup, then lint and the whole CPU test suite (GPU tests skip without CUDA)
 test: lint
-	$(VENV_PY) -m pytest $(PYTEST_ARGS)
+	$(VENV_PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## test-fast: setup, then the unit and integration tests only (a few minutes; CI runs `make test`)
 test-fast: setup

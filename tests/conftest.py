@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +41,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# `make test` runs the suite in two pytest-xdist workers, a file at a time each. A test marked
+# machine_wide reads state the whole machine shares (every host pool name in /dev/shm, its free
+# space), so it runs while no other test does: each test holds this lock shared, a machine_wide
+# one holds it alone. The turnstile keeps shared holders from starving an exclusive one.
+MACHINE_LOCK = REPO / ".cache" / "tests-machine-wide.lock"
+MACHINE_TURNSTILE = REPO / ".cache" / "tests-machine-wide.turnstile"
+
+
+@contextlib.contextmanager
+def _machine_lock(exclusive: bool) -> Iterator[None]:
+    MACHINE_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(MACHINE_TURNSTILE, "a") as turnstile, open(MACHINE_LOCK, "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            # An exclusive holder waits here, still holding the turnstile, for shared
+            # holders to finish; no new one can enter meanwhile.
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    # Set-up, call and tear-down (a module's fixtures start and stop inside them) all hold it.
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    with _machine_lock(exclusive=item.get_closest_marker("machine_wide") is not None):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

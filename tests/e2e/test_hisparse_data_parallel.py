@@ -26,7 +26,7 @@ import pytest
 from engine import SPARSE_GLM5, model_dir
 from serving import VllmServer, metric
 
-pytestmark = [pytest.mark.slow_test, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow_test, pytest.mark.distributed, pytest.mark.machine_wide]
 
 DENSE_GLM5 = dataclasses.replace(SPARSE_GLM5, first_k_dense_replace=SPARSE_GLM5.num_hidden_layers)
 BLOCK_SIZE = 64

@@ -30,7 +30,7 @@ import pytest
 from engine import model_dir, prefill_chunks, scheduled_chunks
 from oracle_runs import PRESSURE, REPLAY_BUDGET, SIX_LAYERS, alike, hisparse, multiprocessing_off, two_turns
 
-pytestmark = [pytest.mark.slow_test, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow_test, pytest.mark.distributed, pytest.mark.machine_wide]
 
 SHM = Path("/dev/shm")
 HOST_POOL_GIB = hisparse()["hisparse_config"]["host_pool_gib"]

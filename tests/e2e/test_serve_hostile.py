@@ -806,6 +806,7 @@ def _pool_files_of(processes: list[psutil.Process]) -> list[str]:
     return held
 
 
+@pytest.mark.machine_wide
 def test_a_tensor_parallel_server_killed_while_making_its_host_pool_leaves_nothing_behind(
     sparse_glm5_dir, tmp_path
 ):
