@@ -30,7 +30,18 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# The order files are handed to workers in: the longest single steps first (the packaging
+# tests compile the CUDA extension), the many short unit tests last to fill in.
+DIRECTORY_ORDER = ("packaging", "e2e", "kernels", "integration", "unit")
+
+
+def _directory_rank(item: pytest.Item) -> int:
+    folder = Path(item.path).parent.name
+    return DIRECTORY_ORDER.index(folder) if folder in DIRECTORY_ORDER else len(DIRECTORY_ORDER)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_directory_rank)  # stable: a file's tests keep their order
     # Upstream's marker for what runs without a GPU: every test not marked gpu.
     for item in items:
         if "gpu" not in item.keywords:
@@ -43,10 +54,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# `make test` runs the suite in two pytest-xdist workers, a file at a time each. A test marked
-# machine_wide reads state the whole machine shares (every host pool name in /dev/shm, its free
-# space), so it runs while no other test does: each test holds this lock shared, a machine_wide
-# one holds it alone. The turnstile keeps shared holders from starving an exclusive one.
+# `make test` runs the suite in two pytest-xdist workers, a file at a time each.
+# - Each worker, and everything it starts (servers, engines, compilers), runs on cores of its
+#   own: the engines' OpenMP threads spin while they wait, and two engines on the same cores
+#   ran the compute-heavy tests 3-5x slower. vLLM's CPU workers bind to those cores too.
+# - A test marked machine_wide reads state the whole machine shares (every host pool name in
+#   /dev/shm, its free space) or binds ranks to every core, so it runs while no other test
+#   does, on every core, with the binding its own settings give: each test holds this lock
+#   shared, a machine_wide one holds it alone. The turnstile keeps shared holders from
+#   starving an exclusive one.
+ALL_CORES = sorted(os.sched_getaffinity(0))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_ORIGINAL_ENV = {name: os.environ.get(name) for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")}
+if _WORKER:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _index = int(_WORKER.removeprefix("gw"))
+    WORKER_CORES = ALL_CORES[_index % len(ALL_CORES) :: max(_workers, 1)] or ALL_CORES
+    _WORKER_ENV = {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, WORKER_CORES)),
+        "OMP_NUM_THREADS": str(len(WORKER_CORES)),
+    }
+    os.environ.update(_WORKER_ENV)
+    os.sched_setaffinity(0, WORKER_CORES)
+
+
+@contextlib.contextmanager
+def _on_every_core() -> Iterator[None]:
+    """The machine as a run without workers sees it, for one machine_wide test."""
+    os.sched_setaffinity(0, ALL_CORES)
+    for name, value in _ORIGINAL_ENV.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.update(_WORKER_ENV)
+        os.sched_setaffinity(0, WORKER_CORES)
+
+
 MACHINE_LOCK = REPO / ".cache" / "tests-machine-wide.lock"
 MACHINE_TURNSTILE = REPO / ".cache" / "tests-machine-wide.turnstile"
 
@@ -71,9 +118,10 @@ def _machine_lock(exclusive: bool) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # Set-up, call and tear-down (a module's fixtures start and stop inside them) all hold it.
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    if not _WORKER:
         return (yield)
-    with _machine_lock(exclusive=item.get_closest_marker("machine_wide") is not None):
+    exclusive = item.get_closest_marker("machine_wide") is not None
+    with _machine_lock(exclusive), _on_every_core() if exclusive else contextlib.nullcontext():
         return (yield)
 
 
