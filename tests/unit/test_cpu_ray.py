@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm.engine.arg_utils import EngineArgs
@@ -42,3 +44,17 @@ def test_each_worker_gets_the_openmp_cores_of_its_index_on_its_machine(
     assert env["env_vars"]["KEPT"] == "1" and base == {"env_vars": {"KEPT": "1"}}, "the base is not changed"
     assert env["env_vars"]["OMP_NUM_THREADS"] == str(len(cores.split(",")))
     assert env["env_vars"]["OMP_PLACES"] == "{" + cores + "}"
+
+
+def test_a_binding_equal_to_the_drivers_own_environment_still_reaches_the_actor(tp2_config, monkeypatch):
+    """A Ray actor's environment is the raylet's, not the driver's: a variable the binding sets
+    to the value the driver happens to have (OMP_NUM_THREADS=1 for a one-core binding) must
+    be in the actor's env_vars all the same, and the driver's environment is left as it was."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OMP_PLACES", "{0}")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    env = cpu_ray.actor_runtime_env({}, tp2_config, ["10.0.0.1", "10.0.0.1"], 0)
+    assert env["env_vars"]["OMP_NUM_THREADS"] == "1"
+    assert env["env_vars"]["OMP_PLACES"] == "{0}"
+    assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["OMP_PLACES"] == "{0}"

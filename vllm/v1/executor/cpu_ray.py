@@ -44,6 +44,18 @@ def device_ids() -> list[int] | None:
     return []
 
 
+# What vLLM's OpenMP binding sets (vllm/utils/ompmultiprocessing.py), for the runtimes it knows.
+OMP_BINDING_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OMP_PLACES",
+    "OMP_PROC_BIND",
+    "GOMP_CPU_AFFINITY",
+    "KMP_AFFINITY",
+    "KMP_BLOCKTIME",
+    "KMP_TPAUSE",
+)
+
+
 def actor_runtime_env(runtime_env: dict, vllm_config: Any, node_ips: list[str], rank: int) -> dict | None:
     """`runtime_env` plus the OpenMP binding of worker `rank`, whose Ray nodes, by rank, run
     on the machines `node_ips` (None: not the CPU platform)."""
@@ -58,9 +70,16 @@ def actor_runtime_env(runtime_env: dict, vllm_config: Any, node_ips: list[str], 
     # The binding list has one entry per rank of a machine, however Ray splits it into nodes.
     config.parallel_config.nnodes = len(set(node_ips))
     manager = OMPProcessManager(config)
-    before = dict(os.environ)
-    with manager.configure_omp_envs(rank, local_rank):
-        binding = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    # Taken out while the binding is made, so one it sets to the value this process already
+    # has (OMP_NUM_THREADS=1 in the driver's shell) still reaches the actor, whose
+    # environment is the raylet's, not this process's.
+    saved = {name: os.environ.pop(name) for name in OMP_BINDING_VARIABLES if name in os.environ}
+    try:
+        before = dict(os.environ)
+        with manager.configure_omp_envs(rank, local_rank):
+            binding = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    finally:
+        os.environ.update(saved)
     env = copy.deepcopy(runtime_env)
     env.setdefault("env_vars", {}).update(binding)
     return env
