@@ -12,6 +12,10 @@ step (`vllm/v1/hisparse/ownership.py`); the tests here add what each scenario mu
 - a copy reported late, after its request was preempted and resumed, reaches its own
   copy: nothing leaks and nothing is credited to the wrong copy;
 - frees follow upstream's fence when a KV consumer runs with a batch in flight;
+- a finished request whose blocks a connector still sends keeps them, in mode "always"
+  too, while the rest of its pages are copied;
+- a step's restores write only into their own request's pages, also when the same step's
+  relief looks for blocks to free;
 - the ownership check itself fails on each kind of double ownership (negative controls).
 """
 
@@ -235,6 +239,49 @@ def test_blocks_freed_while_a_step_is_in_flight_wait_for_upstreams_fence(model, 
     assert fenced, "HiSparse freed blocks while a step was in flight"
     assert h.hisparse.stats()["pages_demoted"] > 0
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+
+
+# ------------------------------------------------------------ a producer's blocks in flight
+
+
+def test_a_finished_request_whose_blocks_a_connector_sends_keeps_them_in_mode_always(model):
+    """A P/D producer's request finishes with pages not yet copied (here one copy a step
+    against a ten-page prompt); its connector keeps the blocks to send them, so the
+    scheduler holds the request. Mode "always" goes on copying its pages after that: they
+    become BOTH, and no page leaves the block table or frees its blocks until the
+    connector is done. The harness has no remote peer, so the connector's answer for a
+    producer's request (free the blocks later) is given at that seam."""
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=64 << 20, max_model_len=1024,
+        attention_config={"hisparse_config": {"host_pool_gib": 1, "mode": "always"}},
+    )  # fmt: skip
+    h.hisparse.residency.max_copies_per_step = 1
+    scheduler = h.scheduler
+    sending: set[str] = set()
+    connector_finished = scheduler._connector_finished
+    scheduler._connector_finished = lambda request: (
+        (True, None) if request.request_id in sending else connector_finished(request)
+    )
+    request = h.add_request(prompt(3, 10 * BLOCK + 5), max_tokens=1)
+    sending.add(request.request_id)
+    while not request.is_finished():
+        h.step()
+    residency = h.hisparse.residency
+    held = residency.requests[request.request_id]
+    assert held.held and held.uncopied, "it finished with pages not yet copied"
+    tables = h.block_ids(request.request_id)
+    referenced = {b for table in tables for b in table if b != h.hisparse.null_block_id}
+    copied_before = residency.counters.pages_copied_to_host
+    for _ in range(2 * len(held.pages)):
+        h.step()
+    assert residency.counters.pages_copied_to_host > copied_before, "its pages were copied meanwhile"
+    assert h.block_ids(request.request_id) == tables, "its block table is as the connector took it"
+    freed = sorted(b for b in referenced if h.block_pool.blocks[b].ref_cnt == 0)
+    assert not freed, f"blocks {freed} the connector is sending went back to the pool"
+    scheduler._free_blocks(request)  # the connector is done
+    h.run_until_done()
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+    assert residency.host_pool.num_referenced == 0
 
 
 # ---------------------------------------------------------- a fault fails its request alone

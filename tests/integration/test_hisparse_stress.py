@@ -10,6 +10,8 @@ vLLM's real Scheduler and KV cache manager (the scheduler harness), across:
 - synchronous scheduling and asynchronous scheduling with two batches in flight
   (where a KV consumer's frees follow upstream's fence);
 - preemption and resumption, and random aborts of waiting and running requests;
+- vLLM's priority policy (random priorities, long prefills split at random thresholds),
+  which may preempt a request the step already scheduled;
 - no connector, ExampleConnector imports into a decode instance (`kv_consumer`),
   and OffloadingConnector loads (its workers played by the harness);
 - an MTP drafter of 1 to 3 tokens on the tiny GLM-5.3 (shared indexers, an MTP layer),
@@ -18,7 +20,9 @@ vLLM's real Scheduler and KV cache manager (the scheduler harness), across:
 The same traffic runs on the page layout (`hisparse_config.kv_layout: "page"`), whose
 hits may end inside a resident block (vLLM's copy-on-write of that block).
 
-After every step the harness runs HiSparse's ownership check; after the last, every
+After every step the harness runs HiSparse's ownership check, and checks each step's plan
+as it leaves the scheduler (a restore writes only into its own request's page); after the
+last, every
 device block, host page and copy must be back. `make test` runs six seeds of every
 configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B seeds A to B-1 (the long run:
 `make stress`).
@@ -73,8 +77,11 @@ def store(h: SchedulerHarness, tokens: list[int]) -> None:
     open(os.path.join(folder, COMPLETE_MARKER), "w").close()
 
 
-def run_sessions(h: SchedulerHarness, rng: random.Random, connector: str, max_steps: int = 6000) -> dict:
-    """Six sessions of three turns arriving at random steps; some requests aborted."""
+def run_sessions(
+    h: SchedulerHarness, rng: random.Random, connector: str, max_steps: int = 6000, priorities: bool = False
+) -> dict:
+    """Six sessions of three turns arriving at random steps; some requests aborted. With
+    `priorities`, each turn has a random priority (for the priority policy)."""
     sessions = [[rng.randrange(3, 3000) for _ in range(rng.randint(150, 420))] for _ in range(6)]
     if connector == "example":
         for tokens in rng.sample(sessions, 3):
@@ -86,7 +93,8 @@ def run_sessions(h: SchedulerHarness, rng: random.Random, connector: str, max_st
         for s, tokens in enumerate(sessions):
             if s not in live and turns_left[s] and rng.random() < 0.3:
                 turns_left[s] -= 1
-                request = h.add_request(tokens, max_tokens=rng.randint(4, 60))
+                priority = {"priority": rng.randint(0, 3)} if priorities else {}
+                request = h.add_request(tokens, max_tokens=rng.randint(4, 60), **priority)
                 live[s] = request.request_id
         if live and rng.random() < 0.02:
             s = rng.choice(sorted(live))
@@ -138,6 +146,34 @@ def test_random_multi_turn_sessions_keep_one_owner_per_block_page_and_copy(
     run_stress(model, tmp_path, connector, async_scheduling, seed, drafter, layout)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("connector", "async_scheduling"),
+    [(c, a) for c, a in itertools.product(CONNECTORS, (False, True))],
+)
+def test_random_sessions_under_the_priority_policy_keep_one_owner_per_block_page_and_copy(
+    model, tmp_path, connector, async_scheduling, seed
+):
+    """The priority policy preempts the running request of the lowest priority, which may be
+    one the step already scheduled (its chunk may have restored host pages: those restores
+    must not reach the workers), and long prefills are split at random thresholds."""
+    run_stress(model, tmp_path, connector, async_scheduling, seed, policy="priority")
+
+
+# Cases the priority policy's long run found failing: a chunk restored its request's host
+# pages, and a later allocation of the same schedule relieved pressure by demoting those
+# very pages; their blocks went back to the pool while the step's plan still restored
+# into them (the plan check stopped it).
+PRIORITY_FOUND = [("none", True, 35), ("example", False, 34)]
+
+
+@pytest.mark.parametrize(("connector", "async_scheduling", "seed"), PRIORITY_FOUND)
+def test_cases_the_long_run_under_the_priority_policy_found_keep_one_owner_per_block_page_and_copy(
+    model, tmp_path, connector, async_scheduling, seed
+):
+    run_stress(model, tmp_path, connector, async_scheduling, seed, policy="priority")
+
+
 # Cases the long run (`make stress`) found failing, kept in every run. With a KV consumer's
 # deferred frees, a chunk's staging counted free blocks that the relief for its extra
 # staging then gave to a victim's hot lease (the blocks that relief freed return only
@@ -173,8 +209,10 @@ def run_stress(
     seed: int,
     drafter: bool = False,
     layout: str = "groups",
+    policy: str = "fcfs",
 ) -> None:
-    rng = random.Random(f"{connector}-{async_scheduling}-{seed}" + ("-mtp" if drafter else ""))
+    name = f"{connector}-{async_scheduling}-{seed}" + ("-mtp" if drafter else "")
+    rng = random.Random(name + ("-priority" if policy != "fcfs" else ""))
     memory_mib = rng.choice([6, 7, 8, 10, 14])
     host_pages = rng.choice([17, 24, 40, 400])
     mode = rng.choice(["hybrid", "hybrid", "always"])
@@ -186,6 +224,9 @@ def run_stress(
             accepted_drafts=lambda n: rng.randint(0, n), drafter_layers=True,
         )  # fmt: skip
     page_gib = GLM53_PAGE_GIB if drafter else PAGE_GIB
+    policy_args = {}
+    if policy != "fcfs":
+        policy_args = dict(scheduling_policy=policy, long_prefill_token_threshold=rng.choice([0, 48, 64, 96]))
     proactive = rng.random() < 0.8
     h = SchedulerHarness.create(
         model=model,
@@ -201,13 +242,14 @@ def run_stress(
         async_scheduling=async_scheduling,
         report_delay=lambda: rng.randint(0, 3),
         **drafts,
+        **policy_args,
     )  # fmt: skip
     if drafter:
         assert h.num_speculative_tokens == num_drafts and h.scheduler.num_spec_tokens == num_drafts
     assert (h.hisparse.blocks.resident_multiple > 1) == (layout == "page")
     if connector == "example" and async_scheduling:
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
-    seen = run_sessions(h, rng, connector)
+    seen = run_sessions(h, rng, connector, priorities=policy != "fcfs")
     assert_nothing_held(h)
     stats = h.hisparse.stats()
     # The workload did what it exists for: residency moved under pressure. (Without

@@ -25,7 +25,9 @@ and drives the scheduler step by step the way ``EngineCore.step`` does.
   ``report_delay`` steps later (0: in the same step's output; a CUDA worker reports once
   the copy's event has passed, a step or more later), or nothing, with
   ``runs_hisparse_plans=False``, as a worker without HiSparse does. After every step it
-  runs HiSparse's ownership check (``check_ownership``). No bytes move: the tests built
+  runs HiSparse's ownership check (``check_ownership``), and checks each step's plan as
+  it leaves the scheduler (``check_plan``: a restore writes only into its own request's
+  page). No bytes move: the tests built
   on it check plans and bookkeeping, not KV contents.
 - With the OffloadingConnector, the harness plays its workers too: every load and store
   job a step's connector metadata carries completes ``report_delay`` steps later
@@ -58,6 +60,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tiny_models
+
+from vllm.v1.hisparse.ownership import check_plan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -428,7 +432,12 @@ class SchedulerHarness:
     # ------------------------------------------------------------------ steps
 
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        """The scheduler's step; its plan checked as it leaves the scheduler (a restore
+        writes only into its own request's page) when ownership is checked."""
+        output = self.scheduler.schedule()
+        if self.hisparse is not None and self.check_ownership and output.hisparse_plan is not None:
+            check_plan(self.hisparse.blocks, output.hisparse_plan)
+        return output
 
     def model_runner_output(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """What the worker would return: ``sampled_token`` for every scheduled request whose

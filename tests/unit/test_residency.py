@@ -223,6 +223,32 @@ def test_a_held_request_keeps_every_page_while_a_connector_sends_its_blocks(mode
     assert pool.num_free_blocks() == pool.num_blocks, "everything returned once it ends"
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "always"])
+def test_pages_first_copied_after_a_request_is_held_stay_on_the_device(mode):
+    """A request finishes with pages not yet copied (the step's copy budget or the host
+    pool ran short) while a connector still sends its blocks. Its copies made afterwards
+    (mode "always" copies every complete page) land as BOTH: none is marked, demoted or
+    freed under the connector."""
+    mgr, pool = manager(mode=mode, proactive_copy=True, hot_rows=64, max_copies_per_step=1)
+    mgr.add_request("sending")
+    grow(mgr, pool, "sending", 5, 5 * BLOCK)
+    mgr.hold("sending")
+    table = list(pool.tables["sending"])
+    copies = []
+    for _ in range(6):
+        planned = mgr.plan_copies()
+        assert not any(mgr.requests["sending"].pages[c.page_index].demote_when_copied for c in planned)
+        copies += planned
+        mgr.complete_copies(ids(planned))
+        mgr.check()
+    assert len(copies) == 5, "every complete page was copied once"
+    assert [p.state for p in mgr.requests["sending"].pages] == [PageState.BOTH] * 5
+    assert pool.tables["sending"] == table and mgr.counters.pages_demoted == 0
+    end(mgr, pool, "sending")
+    pool.check(mgr)
+    assert pool.num_free_blocks() == pool.num_blocks
+
+
 def test_always_mode_demotes_without_pressure():
     mgr, pool = manager(mode="always", hot_rows=64)
     mgr.add_request("a")
@@ -411,12 +437,50 @@ def test_restored_pages_start_both_and_are_the_first_relief_can_free():
     assert [p.state for p in mgr.requests["b"].pages] == [PageState.BOTH] * 4 + [PageState.DEVICE]
     assert mgr.requests["b"].state is RequestState.FULL
     assert mgr.plan_copies() == [], "restored pages are durable already"
+    # The workers fill their blocks before this step's forward: no relief of the same
+    # step takes them.
+    assert mgr.relieve_pressure(1) == 0 and mgr.requests["b"].state is RequestState.FULL
+    mgr.end_schedule()
     free_before = pool.num_free_blocks()
-    assert mgr.relieve_pressure(1) > 0, "they are freed without a copy"
+    assert mgr.relieve_pressure(1) > 0, "from the next step on they are freed without a copy"
     assert pool.num_free_blocks() > free_before and mgr.requests["b"].state is RequestState.MIXED
     mgr.check()
     pool.check(mgr)
     end(mgr, pool, "b")
+    assert pool.num_free_blocks() == pool.num_blocks and mgr.host_pool.num_referenced == 0
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "always"])
+def test_pages_a_chunk_restores_are_not_demoted_again_in_the_same_step(mode):
+    """A prefill chunk restores its request's HOST pages into fresh blocks; the workers fill
+    them before the step's forward. A later relief of the same schedule (another request's
+    allocation) or mode "always"'s demotion of settled pages must not free those blocks
+    while the step's plan still restores into them; from the next step on they may go."""
+    mgr, pool = manager(hot_rows=64, mode=mode, proactive_copy=True)
+    mgr.add_request("a")
+    grow(mgr, pool, "a", 6, 6 * BLOCK - 1)
+    mgr.complete_copies(ids(mgr.plan_copies()))
+    mgr.relieve_pressure(4, durable_only=True)
+    mgr.end_schedule()
+    hosted = mgr.host_page_indices("a")
+    assert hosted, "some pages are on the host only"
+    blocks = pool.take(len(hosted) * mgr.blocks_per_page)
+    pages = [(index, blocks[i : i + 1]) for i, index in enumerate(hosted)]
+    for index, block_ids in pages:
+        pool.tables["a"][index] = tuple(block_ids)
+    mgr.restore_pages("a", pages)
+    assert mgr.relieve_pressure(len(hosted)) == 0, "relief takes none of the pages just restored"
+    assert mgr.plan_copies() == []
+    assert mgr.host_page_indices("a") == [], "every restored page is resident for the step"
+    assert [pool.tables["a"][index] for index, _ in pages] == [tuple(b) for _, b in pages]
+    mgr.check()
+    pool.check(mgr)
+    mgr.end_schedule()
+    mgr.plan_copies()
+    mgr.relieve_pressure(len(hosted))
+    assert mgr.host_page_indices("a"), "from the next step on they may be demoted again"
+    mgr.check()
+    end(mgr, pool, "a")
     assert pool.num_free_blocks() == pool.num_blocks and mgr.host_pool.num_referenced == 0
 
 
@@ -651,6 +715,14 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.tokens: dict[str, int] = {}
         self.max_tokens: dict[str, int | None] = {}
+        # Finished requests whose blocks a KV connector still sends: their block tables as
+        # they were when the connector took them, until they end.
+        self.held: dict[str, list] = {}
+
+    def active(self) -> list[str]:
+        """Requests still running (a held request has finished: it neither grows nor is
+        preempted)."""
+        return sorted(name for name in self.mgr.requests if name not in self.held)
 
     @rule(shared_prefix=st.integers(0, 3), restore=st.booleans(), max_tokens=st.none() | st.integers(1, 800))
     def add(self, shared_prefix, restore, max_tokens):
@@ -682,10 +754,10 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.max_tokens[name] = max_tokens
         self.mgr.advance(name, self.tokens[name])
 
-    @precondition(lambda self: self.mgr.requests)
+    @precondition(lambda self: self.active())
     @rule(data=st.data(), new_tokens=st.integers(1, 200))
     def grow(self, data, new_tokens):
-        name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        name = data.draw(st.sampled_from(self.active()))
         req = self.mgr.requests[name]
         target = min(self.tokens[name] + new_tokens, self.max_tokens.get(name) or 1 << 30)
         need = max(-(-target // BLOCK) - len(req.pages), 0)
@@ -698,11 +770,11 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.tokens[name] = target
         self.mgr.advance(name, target)
 
-    @precondition(lambda self: self.mgr.requests)
+    @precondition(lambda self: self.active())
     @rule(data=st.data(), rejected=st.integers(1, 130), prefilling=st.booleans())
     def reject(self, data, rejected, prefilling):
         """Rejected draft tokens: the stable count falls back, and completed pages with it."""
-        name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        name = data.draw(st.sampled_from(self.active()))
         self.tokens[name] = max(self.tokens[name] - rejected, 0)
         self.mgr.advance(name, self.tokens[name])
         self.mgr.set_prefilling(name, prefilling)
@@ -755,12 +827,12 @@ class ResidencyMachine(RuleBasedStateMachine):
             idle_steps = 0 if self.pool.num_free_blocks() > free_before else idle_steps + 1
             assert idle_steps <= MAX_PREEMPTION_DEFERRALS, "preemption waited on relief that frees nothing"
 
-    @precondition(lambda self: self.mgr.requests)
+    @precondition(lambda self: self.active())
     @rule(data=st.data())
     def preempt_and_resume(self, data):
         """Preemption: the request ends (copies of its pages may still be in flight) and comes
         back under the same id, so its pages are planned again before the first reports land."""
-        name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
+        name = data.draw(st.sampled_from(self.active()))
         hashes = self.mgr.requests[name].block_hashes
         end(self.mgr, self.pool, name)
         self.mgr.add_request(name, hashes, self.max_tokens[name])
@@ -769,9 +841,21 @@ class ResidencyMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr.requests)
     @rule(data=st.data())
     def finish(self, data):
+        """A request ends: it finished (or its connector finished sending), or was aborted."""
         name = data.draw(st.sampled_from(sorted(self.mgr.requests)))
         end(self.mgr, self.pool, name)
         del self.tokens[name]
+        self.held.pop(name, None)
+
+    @precondition(lambda self: self.active())
+    @rule(data=st.data())
+    def hold(self, data):
+        """A request finishes while a KV connector still sends its blocks (a P/D producer):
+        from here until it ends, its block table must not change, whatever copies, landings
+        and pressure come."""
+        name = data.draw(st.sampled_from(self.active()))
+        self.mgr.hold(name)
+        self.held[name] = list(self.pool.tables.get(name, []))
 
     @invariant()
     def invariants_hold(self):
@@ -779,6 +863,9 @@ class ResidencyMachine(RuleBasedStateMachine):
             return
         self.mgr.check()
         self.pool.check(self.mgr)
+        for name, table in self.held.items():
+            changed = self.pool.tables.get(name, []) != table
+            assert not changed, f"held {name}'s blocks changed while a connector sends them"
 
     def teardown(self):
         if not hasattr(self, "mgr"):

@@ -334,6 +334,18 @@ class KVCacheBlockAccess:
         `page_block_ids(request_id, start + i)` is every column's block i."""
         return [m.req_to_blocks[request_id][start:] for m in self._mla]
 
+    def page_in_table(self, request_id: str, position: int) -> tuple[BlockId, ...] | None:
+        """The request's blocks of one page, one per sparse-MLA group, or None where its
+        table has no such page (or it has no table: it ended or was preempted). Reads
+        without adding a table."""
+        found = []
+        for manager in self._mla:
+            table = manager.req_to_blocks.get(request_id)
+            if table is None or position >= len(table):
+                return None
+            found.append(BlockId(table[position].block_id))
+        return tuple(found)
+
     def page_block_ids(self, request_id: str, position: int) -> tuple[BlockId, ...]:
         """The request's blocks of one page, one per sparse-MLA group (the null block for HOST)."""
         return tuple(BlockId(m.req_to_blocks[request_id][position].block_id) for m in self._mla)

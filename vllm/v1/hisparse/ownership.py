@@ -25,6 +25,9 @@ the statement of the invariant and its check, run by tests after every step
   which holds it alone and unindexed; a page a pending admission will read is
   retained by that admission; every host pool reference has a holder.
 
+A step's plan is checked as it leaves the scheduler (`check_plan`): a restore writes
+only into its own request's page.
+
 It reads every holder through its owner's methods and changes nothing.
 """
 
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.v1.hisparse.admission import Admissions
     from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
+    from vllm.v1.hisparse.plan import HiSparseStepPlan
     from vllm.v1.hisparse.residency import ResidencyManager
 
 
@@ -147,6 +151,35 @@ def ownership_violations(
     except AssertionError as error:
         problems.append(f"residency: {error}")
     return problems
+
+
+def plan_violations(blocks: KVCacheBlockAccess, plan: HiSparseStepPlan) -> list[str]:
+    """A step's plan against the block tables as the plan leaves the scheduler, as readable
+    lines: each restore (host -> device before the forward) writes into blocks that are,
+    in every sparse-MLA group, its own request's page, and no block is written by two. A
+    block the restore would fill that is free, leased, staged or another request's page is
+    another owner's KV overwritten."""
+    problems: list[str] = []
+    null = blocks.null_block_id
+    written: Counter[int] = Counter()
+    for restore in plan.restores:
+        written.update(restore.block_ids)
+        found = blocks.page_in_table(restore.request_id, restore.page_index)
+        if found is None:
+            problems.append(f"restore {restore}: its request has no such page in its block table")
+        elif found != tuple(restore.block_ids) or null in found:
+            problems.append(f"restore {restore}: the request's table holds {list(found)} at that page")
+    problems += [f"block {b} is written by {n} restores" for b, n in written.items() if n > 1]
+    return problems
+
+
+def check_plan(blocks: KVCacheBlockAccess, plan: HiSparseStepPlan) -> None:
+    """Raise `OwnershipError` naming what in the step's plan writes into blocks not its own."""
+    problems = plan_violations(blocks, plan)
+    if problems:
+        shown = "\n  ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise OwnershipError(f"Hybrid HiSparse plan writes outside its owner:\n  {shown}{more}")
 
 
 def check_ownership(

@@ -43,7 +43,7 @@ from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.kv_import import ImportKind, hit_chunk_tokens, import_kind, reads_block_id_snapshot
-from vllm.v1.hisparse.ownership import check_ownership
+from vllm.v1.hisparse.ownership import check_ownership, check_plan
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
     WORKER_COUNTERS,
@@ -154,6 +154,9 @@ class HiSparseScheduling:
         self.staging_rows_leased = 0
         # Prefill chunks that restored their request's HOST pages instead of staging.
         self.prefill_restores = 0
+        # Restores a step planned whose request gave its blocks back before the step's plan
+        # was made (`_own_restores`).
+        self.restores_dropped = 0
         # A released request's host-backed sparse-MLA blocks, out of its table until upstream
         # has freed the rest (`after_free`); and how many went first in the eviction order.
         self._host_backed: list[KVCacheBlock] = []
@@ -554,7 +557,7 @@ class HiSparseScheduling:
             if req is not None and req.state is not RequestState.FULL:
                 self.speculative_steps_with_host_pages += 1
         updates, self.blocks.updates = self.blocks.updates, []
-        restores, self._restores = self._restores, []
+        restores, self._restores = self._own_restores(self._restores), []
         new_host_pages, new_leases = self.residency.drain_changes()
         k = len(self.mla_group_ids)
         step = next(self._steps)
@@ -595,6 +598,22 @@ class HiSparseScheduling:
             self.blocks.release_spare()
         if self.check_each_step:
             self.check_ownership()
+            check_plan(self.blocks, scheduler_output.hisparse_plan)
+
+    def _own_restores(self, restores: list[PageRestore]) -> list[PageRestore]:
+        """The step's restores whose page in their request's block table still holds the
+        blocks they fill. A request preempted later in the same schedule (the priority
+        policy may preempt one it already scheduled) gave its blocks back, and a later
+        allocation of the step may hold them now: its restores must not reach the
+        workers. (A connector hit's request waiting for its load is not in residency yet:
+        its table is what owns the blocks.)"""
+        kept = []
+        for restore in restores:
+            if self.blocks.page_in_table(restore.request_id, restore.page_index) == restore.block_ids:
+                kept.append(restore)
+            else:
+                self.restores_dropped += 1
+        return kept
 
     def _lease_update(self, request_id: str, blocks: list[BlockId]) -> HotLeaseUpdate:
         """A lease as the workers map it: every group's blocks, padded to the default lease

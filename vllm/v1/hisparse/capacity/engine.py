@@ -94,10 +94,12 @@ def make_request(
     request_id: str,
     block_hasher: Callable[[Request], list[BlockHash]] | None,
     arrival_time: float | None = None,
+    priority: int = 0,
     **sampling_args: Any,
 ) -> Request:
     """A Request as EngineCore makes it from an EngineCoreRequest (ignoring EOS, so it
-    produces exactly `max_tokens`)."""
+    produces exactly `max_tokens`); `priority` orders it under the priority policy (lower
+    first)."""
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
@@ -113,5 +115,6 @@ def make_request(
         lora_request=None,
         cache_salt=None,
         data_parallel_rank=None,
+        priority=priority,
     )
     return Request.from_engine_core_request(core_request, block_hasher)
