@@ -17,7 +17,9 @@ asynchronously while the request waits. Under pressure the connector's metadata
 tells the workers which host page each landed page takes, and the device read
 covers only the indexer's pages and the tail; once the read is reported done,
 the request is admitted NONE on exactly those host pages. A HiSparse producer
-does not offer a request whose sparse-MLA pages are not all on its device.
+does not offer a request whose sparse-MLA pages are not all on its device. A
+read that fails is recomputed; an import that landed in the host pool is
+recomputed whole.
 
 The harness plays the worker's part; no bytes move here (the e2e P/D test
 moves them, over UCX for NIXL).
@@ -41,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector im
     HostLandingNixlConnector,
 )
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 BLOCK = 64
 MLA_GROUPS = 6
@@ -189,9 +192,9 @@ def test_only_an_instance_without_hisparse_stores_prompts(model, tmp_path, hispa
     assert [t.request_id for t in meta.requests if t.is_store] == ([] if hisparse else ["new"])
 
 
-def nixl_instance(model: str, role: str, hisparse: bool = True) -> SchedulerHarness:
+def nixl_instance(model: str, role: str, hisparse: bool = True, **transfer_args) -> SchedulerHarness:
     """An instance over NixlConnector, with the same KV cache as `consumer`'s."""
-    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=role)
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, **transfer_args)
     h = SchedulerHarness.create(
         model=model, memory_bytes=KV_CACHE_BYTES, attention_config=HISPARSE if hisparse else None,
         max_model_len=640, max_num_batched_tokens=1024, kv_transfer_config=transfer,
@@ -270,6 +273,71 @@ def test_with_room_on_the_device_nixl_reads_every_page_there_as_upstream(model):
     meta = h.schedule().kv_connector_metadata
     assert meta.host_landing == {}
     assert [len(group) for group in meta.reqs_to_recv["imported"].local_block_ids] == [pages] * h.num_groups
+
+
+def failed_read(meta, request_id: str, every_group: bool) -> set[int]:
+    """The blocks a failed NIXL read names: the request's blocks of the first KV cache group,
+    as upstream's worker names them, or of every group, as HostLandingNixlWorker does."""
+    local = meta.reqs_to_recv[request_id].local_block_ids
+    return {b for group in (local if every_group else local[:1]) for b in group}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("every_group", [True, False], ids=["every-group", "first-group"])
+@pytest.mark.parametrize(
+    ("hisparse", "lands_on_host"),
+    [(False, False), (True, False), (True, True)],
+    ids=["upstream", "device-landing", "host-landing"],
+)
+def test_a_failed_nixl_read_is_recomputed_and_its_landed_pages_never_read(
+    model, hisparse, lands_on_host, every_group, policy
+):
+    """A decode instance's NIXL read fails (a prefill node lost, a transfer error): the
+    request's blocks come back named invalid with it in `finished_recving`. Upstream's
+    scan reads one KV cache group only and raised with HiSparse's groups, stopping the
+    engine for every user. Now, with `kv_load_failure_policy` "recompute", the request
+    recomputes from its first failed page, as upstream's does; an import that landed in
+    the host pool is recomputed whole (its landed pages are placeholders in its table and
+    their host pages were never filled). With "fail" (the default) it ends with an error,
+    alone. Either way none of the landed pages is ever registered, read or published, and
+    everything returns."""
+    h = nixl_instance(model, "kv_consumer", hisparse, kv_load_failure_policy=policy)
+    if lands_on_host:
+        busy(h)
+    tokens = prompt(1, 400 if lands_on_host else 200)
+    h.add_request(
+        tokens, max_tokens=8, request_id="imported",
+        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
+    )  # fmt: skip
+    output = h.schedule()
+    assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
+    meta = output.kv_connector_metadata
+    landing = dict(meta.host_landing.get("imported", {}))
+    assert bool(landing) == lands_on_host
+    invalid = failed_read(meta, "imported", every_group)
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+
+    failing = h.schedule()
+    report = h.model_runner_output(failing)
+    report.kv_connector_output = KVConnectorOutput(finished_recving={"imported"}, invalid_block_ids=invalid)
+    h.scheduler.update_from_output(failing, report)
+    request = h.requests["imported"]
+    loaded = (len(tokens) - 1) // BLOCK * BLOCK
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+    elif lands_on_host:
+        assert request.num_computed_tokens == 0, "an import that landed on the host is recomputed whole"
+    else:
+        assert request.num_computed_tokens < loaded, "the failed pages are recomputed"
+    h.run_until_done()
+    failed = {"imported"} if policy == "fail" else set()
+    assert all(r.num_output_tokens == r.max_tokens for rid, r in h.requests.items() if rid not in failed)
+    if hisparse:
+        pool = h.hisparse.residency.host_pool
+        # A landed page is published only once registered (residency's imported HOST pages).
+        assert h.hisparse.stats()["pages_imported_to_host"] == 0, "no landed page was registered"
+        assert pool.num_referenced == 0 and not list(h.hisparse.admissions.records())
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1, "every device block returns"
 
 
 def finished_producer_request(h: SchedulerHarness, request_id: str):

@@ -251,6 +251,10 @@ def run_stress(
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
     seen = run_sessions(h, rng, connector, priorities=policy != "fcfs")
     assert_nothing_held(h)
+    if policy == "fcfs":
+        # Only the priority policy preempts a request the step already scheduled: every
+        # restore planned (a connector's load waiting included) reached the workers.
+        assert h.hisparse.restores_dropped == 0
     stats = h.hisparse.stats()
     # The workload did what it exists for: residency moved under pressure. (Without
     # proactive copies a page is copied only under pressure, and some seeds' sessions never

@@ -212,3 +212,29 @@ def test_only_an_instance_that_reads_imports_registers_its_host_pool(monkeypatch
         worker.block_len_per_layer = list(regions.lengths)
         worker.register_kv_caches(caches)
     assert len(waited) == 1, "the producer never waits to register the host pool; the consumer does"
+
+
+@pytest.mark.parametrize("hisparse", [True, False])
+def test_a_failed_read_names_the_requests_blocks_of_every_group_with_hisparse(hisparse):
+    """Upstream's worker names a failed read's blocks of the first KV cache group only. With
+    HiSparse that group is a sparse-MLA one, which lists none of the pages landing in the
+    host pool: an import whose pages all landed would fail naming nothing. The worker names
+    the request's blocks of every group (the resident group's name every imported page),
+    never the null block; without HiSparse it names what upstream names."""
+    import queue
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector import (
+        HostLandingNixlWorker,
+    )
+
+    worker = object.__new__(HostLandingNixlWorker)
+    worker._recving_metadata = {"req": SimpleNamespace(local_block_ids=[[], [], [0, 9, 10, 11]])}
+    worker._group_of_landed_layer = {"model.layers.0.self_attn.attn": 0} if hisparse else {}
+    worker._is_hma_required = False
+    worker._invalid_block_ids = queue.Queue()
+    worker._failed_recv_reqs = queue.Queue()
+    worker.xfer_stats = SimpleNamespace(record_failed_transfer=lambda: None)
+    worker._handle_failed_transfer("req", None)
+    assert worker.get_block_ids_with_load_errors() == ({9, 10, 11} if hisparse else set())
+    assert worker._failed_recv_reqs.get_nowait() == "req"

@@ -334,6 +334,24 @@ class KVCacheBlockAccess:
         `page_block_ids(request_id, start + i)` is every column's block i."""
         return [m.req_to_blocks[request_id][start:] for m in self._mla]
 
+    def pages_named(self, request_id: str, block_ids: set[int]) -> list[BlockId]:
+        """One block id per page of the request's table, for a scan that reads one group
+        (upstream's scan for blocks a KV load failed to fill): a block of that page named
+        in `block_ids`, in whichever group (a resident block names each page it covers),
+        where there is one, else the page's block in the first sparse-MLA group (the null
+        block for a HOST page)."""
+        page = self._mla[0].block_size
+        pages = [BlockId(block.block_id) for block in self._mla[0].req_to_blocks.get(request_id, ())]
+        null = self.null_block_id
+        for manager in self._groups:
+            per_block = manager.block_size // page
+            for index, block in enumerate(manager.req_to_blocks.get(request_id, ())):
+                if block.block_id in block_ids and block.block_id != null:
+                    for position in range(index * per_block, min((index + 1) * per_block, len(pages))):
+                        if pages[position] not in block_ids:
+                            pages[position] = BlockId(block.block_id)
+        return pages
+
     def page_in_table(self, request_id: str, position: int) -> tuple[BlockId, ...] | None:
         """The request's blocks of one page, one per sparse-MLA group, or None where its
         table has no such page (or it has no table: it ended or was preempted). Reads

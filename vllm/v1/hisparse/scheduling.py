@@ -409,6 +409,24 @@ class HiSparseScheduling:
         """A waiting request's device prefix hit: guarded, and extended from the host pool."""
         return self.admissions.extend_prefix_hit(request, blocks, num_tokens)
 
+    def blocks_by_page_after_load_failure(
+        self, request_id: str, invalid_block_ids: set[int]
+    ) -> list[BlockId]:
+        """The request's table as upstream's scan for blocks a KV load failed to fill reads
+        it: one block id per page, a block that failed in any group where there is one
+        (`KVCacheBlockAccess.pages_named`), so the request recomputes from its first page
+        that failed in any group. An import landing in the host pool that failed goes
+        whole: its landed pages have only placeholders in the table, so the recompute could
+        not write them, and their host pages were never filled; the request starts again
+        from its first page (its admission record, landed pages included, goes back when
+        it is looked up again, `Admissions.begin`)."""
+        pages = self.blocks.pages_named(request_id, invalid_block_ids)
+        if pages and self.admissions.host_landing(request_id):
+            failed = next((block for block in pages if block in invalid_block_ids), None)
+            if failed is not None:
+                pages[0] = failed
+        return pages
+
     def guard_prefix_hit(self, request: Request, blocks: KVCacheBlocks) -> None:
         """A waiting request's device prefix hit that a connector reconciles: guarded."""
         self.admissions.guard_prefix_hit(request, blocks)

@@ -438,6 +438,20 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             )
             self._handle_failed_transfer(request_id, handle)
 
+    def _handle_failed_transfer(self, req_id: str, handle: int | None):
+        """Upstream's, naming the request's blocks in every KV cache group where upstream
+        names the first group's only. With HiSparse's groups the first is a sparse-MLA
+        group, which lists no page that lands in the host pool (a placeholder there): an
+        import whose pages all landed would fail naming nothing, and its request would go
+        on reading host pages never filled. The resident group's blocks name every
+        imported page; the scheduler takes a page as failed where any group's block of it
+        is named (`HiSparseScheduling.blocks_by_page_after_load_failure`)."""
+        meta = self._recving_metadata.get(req_id)
+        if meta is not None and self._group_of_landed_layer and not self._is_hma_required:
+            named = {b for group in meta.local_block_ids for b in group if b != NULL_BLOCK_ID}
+            self._invalid_block_ids.put(named)
+        super()._handle_failed_transfer(req_id, handle)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         done_sending, done_recving = super().get_finished()
         for request_id in done_recving:
