@@ -155,15 +155,16 @@ def test_random_sessions_under_the_priority_policy_keep_one_owner_per_block_page
     model, tmp_path, connector, async_scheduling, seed
 ):
     """The priority policy preempts the running request of the lowest priority, which may be
-    one the step already scheduled (its chunk may have restored host pages: those restores
-    must not reach the workers), and long prefills are split at random thresholds."""
+    one the step already scheduled, and long prefills are split at random thresholds. A
+    restore of a page that gave its blocks back later in the same schedule must not reach
+    the workers (the harness checks every plan)."""
     run_stress(model, tmp_path, connector, async_scheduling, seed, policy="priority")
 
 
 # Cases the priority policy's long run found failing: a chunk restored its request's host
 # pages, and a later allocation of the same schedule relieved pressure by demoting those
-# very pages; their blocks went back to the pool while the step's plan still restored
-# into them (the plan check stopped it).
+# very pages; their blocks went back to the pool (and to the next allocations) while the
+# step's plan still restored into them (the plan check stopped it).
 PRIORITY_FOUND = [("none", True, 35), ("example", False, 34)]
 
 
@@ -251,10 +252,6 @@ def run_stress(
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
     seen = run_sessions(h, rng, connector, priorities=policy != "fcfs")
     assert_nothing_held(h)
-    if policy == "fcfs":
-        # Only the priority policy preempts a request the step already scheduled: every
-        # restore planned (a connector's load waiting included) reached the workers.
-        assert h.hisparse.restores_dropped == 0
     stats = h.hisparse.stats()
     # The workload did what it exists for: residency moved under pressure. (Without
     # proactive copies a page is copied only under pressure, and some seeds' sessions never

@@ -389,10 +389,6 @@ class ResidencyManager:
         # Consecutive scheduling steps that deferred a preemption with nothing freed since.
         self._deferrals = 0
         self._deferred_this_step = False
-        # Pages restored in this scheduling step (request, page index): the workers fill
-        # their blocks before the step's forward, so until the step's plan is out
-        # (`end_schedule`) no relief or demotion takes those blocks back.
-        self._restoring: set[tuple[str, int]] = set()
 
     # -- request lifecycle ---------------------------------------------------
 
@@ -508,7 +504,6 @@ class ResidencyManager:
         req.pages.append(tuple(block_ids), host_page)
         req.num_both_pages += 1
         self._page_counts[PageState.BOTH] += 1
-        self._restoring.add((request_id, len(req.pages) - 1))
         if len(req.pages) - 1 < req.num_demotable_pages:
             self._add_settled(req, len(req.pages) - 1)
 
@@ -525,9 +520,9 @@ class ResidencyManager:
         points); a prefill chunk restores instead of staging (`HiSparseScheduling.fit_chunk`).
 
         Each page keeps its host page, so it is durable at once and relief may drop it again
-        without a copy, from the next step on (`end_schedule`: the workers fill its blocks
-        before this step's forward). A request left with no HOST page is FULL: its hot
-        lease goes back.
+        without a copy (a relief later in the same step too: the restore then leaves the
+        step's plan, `HiSparseScheduling._own_restores`). A request left with no HOST page
+        is FULL: its hot lease goes back.
         """
         req = self.requests[request_id]
         demotable = req.num_demotable_pages
@@ -537,7 +532,6 @@ class ResidencyManager:
             page = req.pages[index]
             assert page.state is PageState.HOST, f"{request_id} page {index} is {page.state.name}, not HOST"
             page.block_ids = tuple(block_ids)
-            self._restoring.add((request_id, index))
             if index < demotable:
                 req.num_host_demotable -= 1
                 self._add_settled(req, index)
@@ -665,14 +659,9 @@ class ResidencyManager:
         request's (`hold`), whose pages only become BOTH.
         """
         if self.mode == "always":
-            restoring = self._restoring
             for request_id in list(self._settled):
                 req = self.requests[request_id]
-                indices = req.both_demotable
-                if restoring:
-                    indices = [i for i in indices if (request_id, i) not in restoring]
-                if indices:
-                    self._demote(req, list(indices))
+                self._demote(req, list(req.both_demotable))
         wanted: list[tuple[str, int]] = []
         requests = self.requests
         for request_id, index in self._marked:
@@ -859,10 +848,10 @@ class ResidencyManager:
         demotable BOTH pages, oldest pages first. Never the tail (the page being
         written and the last RESIDENT_TAIL_PAGES complete ones), never
         `protect`'s pages, never a page holding one of `protected_blocks` (a
-        pending admission's prefix hit), never a page restored in this step. A
-        chunk scheduled this step may lose pages to a later relief in the same
-        step: the step's plan carries them, and its resolution takes passes if
-        its selections then outgrow its rows. A request's first demotion costs it a hot lease, so it is
+        pending admission's prefix hit). A chunk scheduled this step may lose
+        pages to a later relief in the same step: the step's plan carries them,
+        and its resolution takes passes if its selections then outgrow its
+        rows. A request's first demotion costs it a hot lease, so it is
         demoted only if that frees more than the lease takes. If that is
         not enough, marks completed DEVICE pages for copy-then-free in the next
         `plan_copies` (not with `durable_only`: only pages already on the host go).
@@ -888,7 +877,6 @@ class ResidencyManager:
                         if not (
                             protected_blocks and protected_blocks.intersection(req.pages[i].block_ids or ())
                         )
-                        and (request_id, i) not in self._restoring
                     ),
                     max(0, pages_wanted),
                 )
@@ -929,9 +917,7 @@ class ResidencyManager:
         return True
 
     def end_schedule(self) -> None:
-        """A scheduling step is over (its plan is made): a step that deferred nothing ends a
-        run of deferrals, and the pages it restored may be demoted again."""
-        self._restoring.clear()
+        """A scheduling step is over: a step that deferred nothing ends a run of deferrals."""
         if not self._deferred_this_step:
             self._deferrals = 0
         self._deferred_this_step = False

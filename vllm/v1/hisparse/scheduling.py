@@ -154,8 +154,8 @@ class HiSparseScheduling:
         self.staging_rows_leased = 0
         # Prefill chunks that restored their request's HOST pages instead of staging.
         self.prefill_restores = 0
-        # Restores a step planned whose request gave its blocks back before the step's plan
-        # was made (`_own_restores`).
+        # Restores a step planned whose page gave its blocks back before the step's plan was
+        # made (`_own_restores`).
         self.restores_dropped = 0
         # A released request's host-backed sparse-MLA blocks, out of its table until upstream
         # has freed the rest (`after_free`); and how many went first in the eviction order.
@@ -620,11 +620,12 @@ class HiSparseScheduling:
 
     def _own_restores(self, restores: list[PageRestore]) -> list[PageRestore]:
         """The step's restores whose page in their request's block table still holds the
-        blocks they fill. A request preempted later in the same schedule (the priority
-        policy may preempt one it already scheduled) gave its blocks back, and a later
-        allocation of the step may hold them now: its restores must not reach the
-        workers. (A connector hit's request waiting for its load is not in residency yet:
-        its table is what owns the blocks.)"""
+        blocks they fill. A page restored early in the schedule may be demoted again by a
+        later relief of the same schedule (its blocks then back in the pool, and perhaps
+        already another request's or a lease's), and the priority policy may preempt a
+        request the step already scheduled: such restores must not reach the workers,
+        which run them before the forward. (A connector hit's request waiting for its
+        load is not in residency yet: its table is what owns the blocks.)"""
         kept = []
         for restore in restores:
             if self.blocks.page_in_table(restore.request_id, restore.page_index) == restore.block_ids:
