@@ -22,9 +22,8 @@ hits may end inside a resident block (vLLM's copy-on-write of that block).
 
 After every step the harness runs HiSparse's ownership check, and checks each step's plan
 as it leaves the scheduler (a restore writes only into its own request's page); after the
-last, every
-device block, host page and copy must be back. `make test` runs six seeds of every
-configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B seeds A to B-1 (the long run:
+last, every device block, host page and copy must be back. `make test` runs six seeds of
+every configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B seeds A to B-1 (the long run:
 `make stress`).
 """
 
@@ -212,8 +211,8 @@ def run_stress(
     layout: str = "groups",
     policy: str = "fcfs",
 ) -> None:
-    name = f"{connector}-{async_scheduling}-{seed}" + ("-mtp" if drafter else "")
-    rng = random.Random(name + ("-priority" if policy != "fcfs" else ""))
+    suffix = ("-mtp" if drafter else "") + ("-priority" if policy != "fcfs" else "")
+    rng = random.Random(f"{connector}-{async_scheduling}-{seed}{suffix}")
     memory_mib = rng.choice([6, 7, 8, 10, 14])
     host_pages = rng.choice([17, 24, 40, 400])
     mode = rng.choice(["hybrid", "hybrid", "always"])

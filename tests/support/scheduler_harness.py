@@ -27,8 +27,8 @@ and drives the scheduler step by step the way ``EngineCore.step`` does.
   ``runs_hisparse_plans=False``, as a worker without HiSparse does. After every step it
   runs HiSparse's ownership check (``check_ownership``), and checks each step's plan as
   it leaves the scheduler (``check_plan``: a restore writes only into its own request's
-  page). No bytes move: the tests built
-  on it check plans and bookkeeping, not KV contents.
+  page). No bytes move: the tests built on it check plans and bookkeeping, not KV
+  contents.
 - With the OffloadingConnector, the harness plays its workers too: every load and store
   job a step's connector metadata carries completes ``report_delay`` steps later
   (``OffloadingWorkerMetadata.completed_jobs``), and a request whose loads all completed
