@@ -16,6 +16,8 @@ step (`vllm/v1/hisparse/ownership.py`); the tests here add what each scenario mu
   too, while the rest of its pages are copied;
 - a step's restores write only into their own request's pages, also when the same step's
   relief looks for blocks to free;
+- a block an OffloadingConnector store still reads is fenced (the store flushed before
+  the forward) when the block comes back as another group's block, a hot lease or staging;
 - the ownership check itself fails on each kind of double ownership (negative controls).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+import uuid
 
 import pytest
 import tiny_models
@@ -705,3 +708,47 @@ def test_the_offloading_connector_gets_no_block_id_snapshot_and_other_connectors
     assert not reads_block_id_snapshot(h.scheduler.connector)
     assert reads_block_id_snapshot(object.__new__(ReadsBlockIds))
     assert reads_block_id_snapshot(object())
+
+
+# ---------------------------------------------- OffloadingConnector stores and block reuse
+
+
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_a_block_an_offloading_store_still_reads_is_fenced_whoever_takes_it_next(model, hisparse):
+    """R's prompt is stored to the OffloadingConnector's CPU tier, its jobs completing thirty
+    steps late; R finishes and its blocks go back to the pool (the connector holds none: it
+    flushes a pending store before the forward of a step that allocates one of its blocks).
+    Y's long prompt then takes them. KV cache groups share block ids, and with HiSparse
+    the connector sees its own groups only, so it missed R's indexer blocks coming back
+    as Y's sparse-MLA blocks or a hot lease, and Y's forward overwrote what the store was
+    still reading: the tier would serve Y's bytes as R's indexer keys. The harness checks
+    every step that a block taken while a store reads it has that store flushed."""
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=f"fence-{uuid.uuid4().hex}",
+        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
+    )  # fmt: skip
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=(6 if hisparse else 8) << 20, max_model_len=1024,
+        max_num_batched_tokens=256, kv_transfer_config=transfer, report_delay=30,
+        attention_config={"hisparse_config": {"host_pool_gib": 400.5 * PAGE_GIB}} if hisparse else None,
+    )  # fmt: skip
+    assert (h.scheduler.connector.hisparse_group_ids is not None) == hisparse
+    connector = h.scheduler.connector.connector_scheduler
+    h.add_request(prompt(1, 300), max_tokens=1, request_id="R")
+    while not h.requests["R"].is_finished():
+        h.step()
+    stored = set(connector._block_id_to_pending_jobs)
+    assert stored, "R's stores are still running when it finishes"
+    reused: set[int] = set()
+    check = h._check_store_fence
+
+    def recorded(stores, free_before, output):
+        free_after = {b.block_id for b in h.block_pool.free_block_queue.get_all_free_blocks()}
+        reused.update((free_before - free_after) & stored & stores.keys())
+        check(stores, free_before, output)
+
+    h._check_store_fence = recorded  # the harness checks the fence as each step is scheduled
+    for y in range(3):
+        h.add_request(prompt(2 + y, 300), max_tokens=4, request_id=f"Y{y}")
+    h.run_until_done()
+    assert reused, "the pool gave out blocks whose stores were still pending (the case under test)"

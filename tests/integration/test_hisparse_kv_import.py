@@ -61,11 +61,13 @@ def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 3000 + 10 for i in range(length)]
 
 
-def consumer(model: str, storage, hisparse: bool, role: str = "kv_consumer") -> SchedulerHarness:
+def consumer(
+    model: str, storage, hisparse: bool, role: str = "kv_consumer", **transfer_args
+) -> SchedulerHarness:
     """A decode instance's scheduler over 6 MiB of KV cache: twelve pages either way."""
     transfer = KVTransferConfig(
         kv_connector="ExampleConnector", kv_role=role,
-        kv_connector_extra_config={"shared_storage_path": str(storage)},
+        kv_connector_extra_config={"shared_storage_path": str(storage)}, **transfer_args,
     )  # fmt: skip
     h = SchedulerHarness.create(
         model=model, memory_bytes=KV_CACHE_BYTES, attention_config=HISPARSE if hisparse else None,
@@ -338,6 +340,88 @@ def test_a_failed_nixl_read_is_recomputed_and_its_landed_pages_never_read(
         assert h.hisparse.stats()["pages_imported_to_host"] == 0, "no landed page was registered"
         assert pool.num_referenced == 0 and not list(h.hisparse.admissions.records())
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1, "every device block returns"
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_a_failed_read_past_a_local_hit_goes_back_to_the_hit_on_either_layout(model, layout, policy):
+    """A decode instance holds the first 512 tokens of a prompt (a whole resident block of
+    the page layout); NIXL reads the rest, and the read fails. Upstream's scan reads a
+    table of one block id per `block_size` tokens; HiSparse hands it one per 64-token page
+    while the page layout's `block_size` is a resident block's 512, so the scan looked at
+    the first few pages only and missed the failure: with "recompute" the request kept
+    every token, never written; with "fail" it went on, and the never-written blocks were
+    cached for the next request of the same prompt. The scan now counts in pages."""
+    transfer = KVTransferConfig(
+        kv_connector="NixlConnector", kv_role="kv_consumer", kv_load_failure_policy=policy
+    )
+    h = SchedulerHarness.create(
+        model=model, num_blocks=600, max_model_len=2048, max_num_batched_tokens=2048,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.05, "kv_layout": layout}},
+        kv_transfer_config=transfer,
+    )  # fmt: skip
+    assert h.hisparse.blocks.resident_multiple == (8 if layout == "page" else 1)
+    if layout == "page":
+        assert h.scheduler.block_size == 8 * BLOCK
+    local = prompt(1, 8 * BLOCK)
+    h.add_request([*local, *prompt(2, 30)], max_tokens=1, request_id="local")
+    h.run_until_done()
+    tokens = [*local, *prompt(3, 1200 - len(local))]
+    h.add_request(
+        tokens, max_tokens=4, request_id="imported",
+        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
+    )  # fmt: skip
+    output = h.schedule()
+    assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
+    invalid = failed_read(output.kv_connector_metadata, "imported", every_group=True)
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+    failing = h.schedule()
+    report = h.model_runner_output(failing)
+    report.kv_connector_output = KVConnectorOutput(finished_recving={"imported"}, invalid_block_ids=invalid)
+    h.scheduler.update_from_output(failing, report)
+    request = h.requests["imported"]
+    if policy == "fail":
+        assert request.status == RequestStatus.FINISHED_ERROR
+    else:
+        assert request.num_computed_tokens == len(local), "the read's pages are recomputed"
+    h.run_until_done()
+    if policy == "fail":
+        cached = sorted(b for b in invalid if h.block_pool.blocks[b].block_hash is not None)
+        assert not cached, f"never-written blocks in the prefix cache: {cached}"
+    h.add_request(tokens, max_tokens=1, request_id="again")
+    again = h.schedule()
+    if policy == "fail":  # its hit is the local history only: the failed pages are computed
+        assert again.num_scheduled_tokens["again"] == len(tokens) - len(local)
+    h.scheduler.update_from_output(again, h.model_runner_output(again))
+    h.run_until_done()
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1, "every device block returns"
+
+
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_a_failed_synchronous_load_takes_every_groups_blocks_out_of_the_prefix_cache(
+    model, tmp_path, hisparse
+):
+    """A connector that loads during the forward (ExampleConnector's way) reports its load
+    failed, and `kv_load_failure_policy` is "fail": every block the load was to fill was
+    cached when it was allocated and must leave the prefix cache, or the next request of
+    the prompt takes blocks whose KV was never written. Upstream's scan named one block
+    per page, so with HiSparse's groups the other groups' blocks stayed cached."""
+    h = consumer(model, tmp_path, hisparse, kv_load_failure_policy="fail")
+    tokens = prompt(1, 200)
+    prefix = store(h, tokens)
+    h.add_request(tokens, max_tokens=8, request_id="imported")
+    output = h.schedule()
+    assert output.num_scheduled_tokens["imported"] == len(tokens) - prefix, "loaded in this forward"
+    loaded = {b for group in h.block_ids("imported") for b in group[: prefix // BLOCK]}
+    assert all(h.block_pool.blocks[b].block_hash is not None for b in loaded), "cached when allocated"
+    report = h.model_runner_output(output)
+    report.kv_connector_output = KVConnectorOutput(invalid_block_ids=loaded)
+    h.scheduler.update_from_output(output, report)
+    assert h.requests["imported"].status == RequestStatus.FINISHED_ERROR
+    cached = sorted(b for b in loaded if h.block_pool.blocks[b].block_hash is not None)
+    assert not cached, f"never-written blocks in the prefix cache: {cached}"
+    h.run_until_done()
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
 
 
 def finished_producer_request(h: SchedulerHarness, request_id: str):

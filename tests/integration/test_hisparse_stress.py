@@ -13,7 +13,10 @@ vLLM's real Scheduler and KV cache manager (the scheduler harness), across:
 - vLLM's priority policy (random priorities, long prefills split at random thresholds),
   which may preempt a request the step already scheduled;
 - no connector, ExampleConnector imports into a decode instance (`kv_consumer`),
-  and OffloadingConnector loads (its workers played by the harness);
+  OffloadingConnector loads (its workers played by the harness), and NIXL at both ends
+  of P/D: turns read from a prefill peer (landing in the host pool under pressure; a
+  quarter of the reads fail and are recomputed) beside turns whose blocks are held for a
+  decode peer after they finish;
 - an MTP drafter of 1 to 3 tokens on the tiny GLM-5.3 (shared indexers, an MTP layer),
   with drafts accepted at random (asynchronously, the scheduler's placeholders).
 
@@ -47,7 +50,7 @@ PAGE_GIB = 6 * BLOCK * 576 * 2 / (1 << 30)  # bf16 latent rows of six layers
 # Six layers sharing indexers four ways, and an MTP layer: seven sparse-MLA layers.
 GLM53_PAGE_GIB = 7 * BLOCK * 576 * 2 / (1 << 30)
 SEEDS = seed_range(os.environ.get("HISPARSE_STRESS_SEEDS", "6"))
-CONNECTORS = ("none", "example", "offloading")
+CONNECTORS = ("none", "example", "offloading", "nixl")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,33 @@ def transfer_config(connector: str, storage) -> KVTransferConfig | None:
             kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=f"stress-{uuid.uuid4().hex}",
             kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
         )  # fmt: skip
+    if connector == "nixl":
+        # Both ends of P/D on one instance: turns imported from a prefill peer (reads that
+        # may fail, recomputed) beside turns whose blocks are held for a decode peer.
+        return KVTransferConfig(
+            kv_connector="NixlConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
+        )
     return None
+
+
+def pd_params(h: SchedulerHarness, rng: random.Random, num_tokens: int) -> dict:
+    """A turn's kv_transfer_params under NIXL, drawn at random: none, a prompt a prefill
+    peer computed (read by this instance), or a prompt computed here for a decode peer
+    (its blocks held until the peer has read them)."""
+    kind = rng.choice(["local", "import", "import", "export", "export"])
+    if kind == "import":
+        pages = -(-num_tokens // BLOCK)
+        params = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [[p + 1 for p in range(pages)] for _ in range(h.num_groups)],
+            "remote_engine_id": "prefill-peer", "remote_request_id": f"remote-{uuid.uuid4().hex}",
+            "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": num_tokens,
+        }  # fmt: skip
+    elif kind == "export":
+        params = {"do_remote_decode": True}
+    else:
+        return {}
+    return {"extra_args": {"kv_transfer_params": params}}
 
 
 def store(h: SchedulerHarness, tokens: list[int]) -> None:
@@ -93,7 +122,8 @@ def run_sessions(
             if s not in live and turns_left[s] and rng.random() < 0.3:
                 turns_left[s] -= 1
                 priority = {"priority": rng.randint(0, 3)} if priorities else {}
-                request = h.add_request(tokens, max_tokens=rng.randint(4, 60), **priority)
+                transfer = pd_params(h, rng, len(tokens)) if connector == "nixl" else {}
+                request = h.add_request(tokens, max_tokens=rng.randint(4, 60), **priority, **transfer)
                 live[s] = request.request_id
         if live and rng.random() < 0.02:
             s = rng.choice(sorted(live))
@@ -241,6 +271,7 @@ def run_stress(
         kv_transfer_config=transfer_config(connector, tmp_path),
         async_scheduling=async_scheduling,
         report_delay=lambda: rng.randint(0, 3),
+        nixl_read_fails=(lambda: rng.random() < 0.25) if connector == "nixl" else None,
         **drafts,
         **policy_args,
     )  # fmt: skip
@@ -257,6 +288,8 @@ def run_stress(
     # fill a 14 MiB pool: seed 2841 without a drafter, eight seeds with one.)
     assert stats["pages_copied_to_host"] > 0 or (not proactive and memory_mib >= 14), stats
     assert stats["pages_demoted"] + seen["preempted"] > 0 or memory_mib >= 10, (stats, seen)
+    if connector == "nixl":  # turns were read from a prefill peer (some failing, below)
+        assert h.nixl_counts["reads"] > 0, h.nixl_counts
     if drafter:  # the drafter's tokens were verified, and some accepted
         assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted
 

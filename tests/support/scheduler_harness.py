@@ -34,6 +34,12 @@ and drives the scheduler step by step the way ``EngineCore.step`` does.
   (``OffloadingWorkerMetadata.completed_jobs``), and a request whose loads all completed
   is reported in ``finished_recving``, so asynchronous loads hold their requests waiting
   for a while, as on a GPU. No bytes move.
+- With the NixlConnector and ``nixl_read_fails`` (a function drawing whether a read
+  fails), the harness plays its workers as well: a read a request waits for finishes
+  ``report_delay`` steps later in ``finished_recving``, a failed one naming the
+  request's blocks of every group in ``invalid_block_ids``; a finished request whose
+  blocks are held for a remote reader is reported in ``finished_sending`` ``report_delay``
+  steps after the step that offers it. Without it a test reports reads and sends itself.
 - ``async_scheduling=True`` steps the way ``EngineCore.step_with_batch_queue`` does with
   two batches in flight: the next step is scheduled before the previous step's output is
   processed (the scheduler is then vLLM's ``AsyncScheduler``).
@@ -299,6 +305,7 @@ class SchedulerHarness:
         report_delay: int | Callable[[], int] = 0,
         check_ownership: bool = True,
         accepted_drafts: Callable[[int], int] = lambda num_drafts: 0,
+        nixl_read_fails: Callable[[], bool] | None = None,
     ) -> None:
         from vllm.config import hisparse as hisparse_config
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -325,6 +332,9 @@ class SchedulerHarness:
         self.report_delay = report_delay if callable(report_delay) else (lambda: report_delay)
         self.check_ownership = check_ownership
         self.accepted_drafts = accepted_drafts
+        # With a function drawing whether a read fails, the harness plays the NIXL workers
+        # (without one, a test reports their reads and sends itself).
+        self.nixl_read_fails = nixl_read_fails
         # Draft tokens scheduled for verification, and those the fake sampler accepted.
         self.drafts_scheduled = 0
         self.drafts_accepted = 0
@@ -335,6 +345,14 @@ class SchedulerHarness:
         # OffloadingConnector jobs not yet completed: (the step that completes them, job
         # id, the request of a load job or None for a store).
         self._jobs: list[tuple[int, int, str | None]] = []
+        # NIXL reads not yet finished: (the step that finishes them, request, the blocks a
+        # failed read names, the host pages it lands in); NIXL sends not yet finished: (the step, request).
+        self._reads: list[tuple[int, str, set[int], list[int]]] = []
+        self._sends: list[tuple[int, str]] = []
+        # NIXL reads started, those that failed, and sends offered.
+        self.nixl_counts: Counter[str] = Counter()
+        # Host pages of failed reads, by the output reporting them (checked once it is processed).
+        self._failed_landings: dict[int, list[int]] = {}
         # Scheduled steps whose output is not processed yet, newest first, with that output.
         self._batches: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.batch_queue_size = vllm_config.max_concurrent_batches
@@ -354,6 +372,7 @@ class SchedulerHarness:
         report_delay: int | Callable[[], int] = 0,
         check_ownership: bool = True,
         accepted_drafts: Callable[[int], int] = lambda num_drafts: 0,
+        nixl_read_fails: Callable[[], bool] | None = None,
         drafter_layers: bool = False,
         **config_args: Any,
     ) -> SchedulerHarness:
@@ -376,6 +395,7 @@ class SchedulerHarness:
             report_delay=report_delay,
             check_ownership=check_ownership,
             accepted_drafts=accepted_drafts,
+            nixl_read_fails=nixl_read_fails,
         )
 
     # ------------------------------------------------------------------ state
@@ -434,10 +454,38 @@ class SchedulerHarness:
     def schedule(self) -> SchedulerOutput:
         """The scheduler's step; its plan checked as it leaves the scheduler (a restore
         writes only into its own request's page) when ownership is checked."""
+        stores = self._offloading_stores() if self.check_ownership else None
+        free_before = (
+            {b.block_id for b in self.block_pool.free_block_queue.get_all_free_blocks()} if stores else set()
+        )
         output = self.scheduler.schedule()
         if self.hisparse is not None and self.check_ownership and output.hisparse_plan is not None:
             check_plan(self.hisparse.blocks, output.hisparse_plan)
+        if stores:
+            self._check_store_fence(stores, free_before, output)
+            takes = getattr(self.scheduler.connector, "hisparse_block_takes", None)
+            # Nothing is taken after the connector's step is built: its fence saw every take.
+            assert takes is None or not takes._ids, f"blocks taken after the fence was built: {takes._ids}"
         return output
+
+    def _offloading_stores(self) -> dict[int, set[int]] | None:
+        """The OffloadingConnector's pending jobs by block (None without one)."""
+        scheduler = getattr(self.scheduler.connector, "connector_scheduler", None)
+        pending = getattr(scheduler, "_block_id_to_pending_jobs", None)
+        return None if pending is None else {b: set(jobs) for b, jobs in pending.items()}
+
+    def _check_store_fence(self, stores: dict[int, set[int]], free_before: set[int], output) -> None:
+        """A block the step took from the free queue (for any group, a hot lease, staging)
+        is written in its forward: a store job still reading it must be flushed first."""
+        free_after = {b.block_id for b in self.block_pool.free_block_queue.get_all_free_blocks()}
+        jobs = self.scheduler.connector.connector_scheduler._jobs
+        flushed = set(output.kv_connector_metadata.jobs_to_flush)
+        unfenced = {
+            b: sorted(j for j in stores[b] if j in jobs and j not in flushed)
+            for b in (free_before - free_after) & stores.keys()
+        }
+        unfenced = {b: j for b, j in unfenced.items() if j}
+        assert not unfenced, f"blocks taken while stores read them, unflushed (block: jobs): {unfenced}"
 
     def model_runner_output(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """What the worker would return: ``sampled_token`` for every scheduled request whose
@@ -465,21 +513,66 @@ class SchedulerHarness:
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=self._offloading_output(scheduler_output),
+            kv_connector_output=self._connector_output(scheduler_output),
             hisparse_copied=self._copy_reports(scheduler_output),
         )
 
-    def _offloading_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
-        """The OffloadingConnector workers' report: jobs done by now, loads finished."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-            OffloadingConnectorMetadata,
-            OffloadingWorkerMetadata,
-        )
-        from vllm.v1.outputs import KVConnectorOutput
+    def _connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
+        """The KV connector workers' report, for the connectors whose workers the harness plays."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 
         meta = scheduler_output.kv_connector_metadata
-        if not isinstance(meta, OffloadingConnectorMetadata):
-            return None
+        if isinstance(meta, OffloadingConnectorMetadata):
+            return self._offloading_output(meta)
+        if isinstance(meta, NixlConnectorMetadata) and self.nixl_read_fails is not None:
+            return self._nixl_output(meta, self.nixl_read_fails)
+        return None
+
+    def _nixl_output(self, meta: Any, read_fails: Callable[[], bool]) -> KVConnectorOutput:
+        """The NIXL workers' report: reads and sends finished by now. A read the request
+        waits for (``WAITING_FOR_REMOTE_KVS``) finishes ``report_delay`` steps after the
+        step that starts it, failed where ``read_fails()`` says so, naming the request's
+        blocks of every KV cache group as ``HostLandingNixlWorker`` does; a finished
+        request's blocks held for a reader are let go ``report_delay`` steps after the
+        step that offers them (the reader done, or its lease expired)."""
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.request import RequestStatus
+
+        step = len(self.observations)
+        for req_id, req_meta in meta.reqs_to_recv.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue  # no read the request waits for (a remote free only)
+            failed = {b for group in req_meta.local_block_ids for b in group} if read_fails() else set()
+            landed = list(getattr(meta, "host_landing", {}).get(req_id, {}).values())
+            self._reads.append((step + self.report_delay(), req_id, failed, landed))
+            self.nixl_counts["reads"] += 1
+            self.nixl_counts["reads_failed"] += bool(failed)
+            self.nixl_counts["reads_landing_on_host"] += bool(landed)
+        self._sends += [(step + self.report_delay(), req_id) for req_id in meta.reqs_to_send]
+        self.nixl_counts["sends"] += len(meta.reqs_to_send)
+        reads = [read for read in self._reads if read[0] <= step]
+        self._reads = [read for read in self._reads if read[0] > step]
+        sends = {req_id for at, req_id in self._sends if at <= step}
+        self._sends = [send for send in self._sends if send[0] > step]
+        output = KVConnectorOutput(
+            finished_recving={req_id for _, req_id, _, _ in reads},
+            finished_sending=sends,
+            invalid_block_ids={b for _, _, failed, _ in reads for b in failed},
+        )
+        # The host pages that failed reads were landing in: none may be published once the
+        # failure is processed (`step` checks).
+        self._failed_landings[id(output)] = [
+            page for _, _, failed, landed in reads if failed for page in landed
+        ]
+        return output
+
+    def _offloading_output(self, meta: Any) -> KVConnectorOutput:
+        """The OffloadingConnector workers' report: jobs done by now, loads finished."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+        from vllm.v1.outputs import KVConnectorOutput
+
         step = len(self.observations)
         for jobs, is_load in ((meta.load_jobs, True), (meta.store_jobs, False)):
             for job_id, job in jobs.items():
@@ -538,6 +631,7 @@ class SchedulerHarness:
         if not (queue_has_room and (executed or self.scheduler.has_requests())):
             done, output = self._batches.pop()
             self.scheduler.update_from_output(done, output)
+            self._check_failed_landings(output)
             if self.num_speculative_tokens and self.batch_queue_size == 1:
                 self._propose_drafts(done)
 
@@ -566,9 +660,18 @@ class SchedulerHarness:
         self.observations.append(observation)
         return observation
 
+    def _check_failed_landings(self, output: ModelRunnerOutput) -> None:
+        """A failed read's landed host pages were never filled: once the failure is
+        processed none may be published in the host pool, where a later hit would read it."""
+        pages = self._failed_landings.pop(id(output.kv_connector_output), [])
+        pool = self.hisparse.residency.host_pool if pages else None
+        published = [page for page in pages if pool.is_indexed(page)]
+        assert not published, f"host pages of failed reads published: {published}"
+
     def busy(self) -> bool:
-        """Whether the engine would step again: requests, pending work, or batches in flight."""
-        return self.scheduler.has_requests() or bool(self._batches)
+        """Whether the engine would step again: requests, pending work, batches in flight, or
+        NIXL reads and sends not yet reported."""
+        return self.scheduler.has_requests() or bool(self._batches or self._reads or self._sends)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests the way the engine does for a client that went away."""

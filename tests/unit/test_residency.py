@@ -259,6 +259,8 @@ def test_always_mode_demotes_without_pressure():
     assert mgr.requests["a"].state is RequestState.NONE
     grow(mgr, pool, "a", 1, 5 * BLOCK - 1)  # the tail moves on: its old last page can go
     mgr.complete_copies(ids(mgr.plan_copies()))
+    assert mgr.requests["a"].pages[2].state is PageState.BOTH, "demoted once the step's output is processed"
+    mgr.demote_settled()  # as HiSparseScheduling.on_model_output does
     assert [p.state for p in mgr.requests["a"].pages][:3] == [PageState.HOST] * 3
     mgr.check()
 
@@ -744,6 +746,11 @@ class ResidencyMachine(RuleBasedStateMachine):
     @rule()
     def plan(self):
         self.in_flight.append(self.mgr.plan_copies())
+
+    @rule()
+    def output_processed(self):
+        """A step's output is processed: mode "always" demotes the settled pages."""
+        self.mgr.demote_settled()
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), lands=st.booleans())

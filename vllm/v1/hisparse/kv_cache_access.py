@@ -352,6 +352,18 @@ class KVCacheBlockAccess:
                             pages[position] = BlockId(block.block_id)
         return pages
 
+    def blocks_from_page(self, request_id: str, first: int) -> set[BlockId]:
+        """The request's blocks, in every group, that hold page `first` or a later one (a
+        resident block holding it holds earlier pages too); the null block left out."""
+        page = self._mla[0].block_size
+        found: set[BlockId] = set()
+        for manager in self._groups:
+            per_block = manager.block_size // page
+            blocks = manager.req_to_blocks.get(request_id, ())
+            found.update(BlockId(block.block_id) for block in blocks[first // per_block :])
+        found.discard(BlockId(self.null_block_id))
+        return found
+
     def page_in_table(self, request_id: str, position: int) -> tuple[BlockId, ...] | None:
         """The request's blocks of one page, one per sparse-MLA group, or None where its
         table has no such page (or it has no table: it ended or was preempted). Reads

@@ -648,20 +648,27 @@ class ResidencyManager:
 
     # -- copies --------------------------------------------------------------
 
+    def demote_settled(self) -> None:
+        """Mode "always": demote, without pressure, every copied page that has left the
+        resident tail, except a held request's (`hold`), whose pages only become BOTH.
+        Run once a step's output is processed (`HiSparseScheduling.on_model_output`), not
+        while a step is scheduled: a demotion may take a hot lease, and every block taken
+        in a schedule must be taken before the KV connector's step is built (an
+        OffloadingConnector fences the blocks taken before it, `offloading.py`)."""
+        if self.mode != "always":
+            return
+        for request_id in list(self._settled):
+            req = self.requests[request_id]
+            self._demote(req, list(req.both_demotable))
+
     def plan_copies(self) -> list[PageCopy]:
         """Device->host copies for this step's post-forward launch, bounded per step.
 
         Pages marked for demotion go first, then (mode "always" or proactive
         copy) every completed page. MIXED and NONE requests get proactive copies
         too: a later request's host prefix hit, or a KV connector hit, needs every
-        page of the prefix in the host pool. Mode "always" also demotes, without
-        pressure, every copied page that has left the resident tail, except a held
-        request's (`hold`), whose pages only become BOTH.
+        page of the prefix in the host pool.
         """
-        if self.mode == "always":
-            for request_id in list(self._settled):
-                req = self.requests[request_id]
-                self._demote(req, list(req.both_demotable))
         wanted: list[tuple[str, int]] = []
         requests = self.requests
         for request_id, index in self._marked:

@@ -43,6 +43,7 @@ from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.kv_import import ImportKind, hit_chunk_tokens, import_kind, reads_block_id_snapshot
+from vllm.v1.hisparse.offloading import fence_block_pool_takes
 from vllm.v1.hisparse.ownership import check_ownership, check_plan
 from vllm.v1.hisparse.plan import (
     HISPARSE_PLAN_VERSION,
@@ -192,6 +193,9 @@ class HiSparseScheduling:
         if scheduler.connector is not None and not reads_block_id_snapshot(scheduler.connector):
             # The scheduler then skips the per-request block ids (every KV cache group's).
             setattr(scheduler.connector, "reads_block_id_snapshot", False)  # noqa: B010
+        # An OffloadingConnector's store fences the reuse of its blocks: every block the pool
+        # hands out, in whichever group or to whichever lease, must be fenced.
+        fence_block_pool_takes(scheduler.connector, self.kv_cache_manager.block_pool)
         if self.import_kind is ImportKind.LANDS_ON_HOST:
             setattr(scheduler.connector, "host_landing", self.admissions.host_landing)  # noqa: B010
         elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
@@ -426,6 +430,12 @@ class HiSparseScheduling:
             if failed is not None:
                 pages[0] = failed
         return pages
+
+    def blocks_from_page(self, request_id: str, first: int) -> set[BlockId]:
+        """What a failed KV load leaves unwritten from page `first` on: the request's blocks
+        of that page and every later one in every group, for upstream to evict from the
+        prefix cache (its own scan names one block per page)."""
+        return self.blocks.blocks_from_page(request_id, first)
 
     def guard_prefix_hit(self, request: Request, blocks: KVCacheBlocks) -> None:
         """A waiting request's device prefix hit that a connector reconciles: guarded."""
@@ -682,6 +692,8 @@ class HiSparseScheduling:
                     "no further pages are copied or demoted and the sparse-MLA KV cache stays "
                     "resident on the device."
                 )
+        if self.issue_plans:
+            self.residency.demote_settled()
         if self.check_each_step:
             self.check_ownership()
 
