@@ -234,7 +234,143 @@ def test_a_failed_read_names_the_requests_blocks_of_every_group_with_hisparse(hi
     worker._is_hma_required = False
     worker._invalid_block_ids = queue.Queue()
     worker._failed_recv_reqs = queue.Queue()
+    worker._recving_transfers, worker._failed_reads = {}, set()
     worker.xfer_stats = SimpleNamespace(record_failed_transfer=lambda: None)
     worker._handle_failed_transfer("req", None)
     assert worker.get_block_ids_with_load_errors() == ({9, 10, 11} if hisparse else set())
     assert worker._failed_recv_reqs.get_nowait() == "req"
+
+
+class _FakeNixl:
+    """The NIXL calls a landing request's two reads make; each read's state set by the test."""
+
+    def __init__(self, device_setup_fails: bool):
+        self.states: dict[str, str] = {}
+        self.released: list[str] = []
+        self.device_setup_fails = device_setup_fails
+
+    def initialize_xfer(self, *args, **kwargs) -> str:
+        self.states["landing"] = "PROC"
+        return "landing"
+
+    def get_xfer_descs(self, descs, memory_type):
+        return descs
+
+    def transfer(self, handle) -> None:
+        pass
+
+    def check_xfer_state(self, handle) -> str:
+        return self.states[handle]
+
+    def get_xfer_telemetry(self, handle):
+        return None
+
+    def release_xfer_handle(self, handle) -> None:
+        self.released.append(handle)
+
+
+def _two_read_worker(monkeypatch, *, landing_setup_fails=False, device_setup_fails=False):
+    """A HostLandingNixlWorker without NIXL for request R, whose pages 0-1 land in host pages
+    3-4: upstream's device read and `get_finished` run as they are, the device read's NIXL
+    calls played (or its setup failing, as upstream's `transfer_setup_failed` branch does)."""
+    import queue
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import host_landing_nixl_connector as landing
+
+    worker = object.__new__(landing.HostLandingNixlWorker)
+    worker.nixl_wrapper = _FakeNixl(device_setup_fails)
+    worker._recving_transfers = {"R": []}
+    remote = SimpleNamespace(engine_id="P", block_ids=[[1, 2, 3], [1, 2, 3]])
+    worker._recving_metadata = {
+        "R": SimpleNamespace(
+            local_block_ids=[[9], [7, 8, 9]], local_physical_block_ids=[[9], [7, 8, 9]], remote=remote
+        )
+    }
+    worker._group_of_landed_layer = {"model.layers.0.self_attn.attn": 0}
+    worker._is_hma_required = False
+    worker._invalid_block_ids, worker._failed_recv_reqs = queue.Queue(), queue.Queue()
+    worker._failed_reads = set()
+    worker.xfer_stats = SimpleNamespace(
+        record_failed_transfer=lambda: None, record_transfer=lambda result: None
+    )
+    worker.failures = []
+    worker._log_failure = lambda **kw: worker.failures.append(kw["failure_type"])
+    worker._landings = {"R": {0: 3, 1: 4}}
+    worker._host_pages = {} if landing_setup_fails else {"model.layers.0.self_attn.attn": None}
+    worker._landed_layers = []
+    worker._remote_regions = {("P", 0): None}
+    worker._remote_agents = {"P": {(0, 0): "agent"}}
+    engine = SimpleNamespace(remote_block_size=BLOCK, remote_physical_blocks_per_logical=1)
+    worker.transfer_topo = SimpleNamespace(
+        get_engine_info=lambda engine_id: engine, block_size_ratio=lambda size: 1
+    )
+    worker._physical_blocks_per_logical_kv_block = 1
+    worker.enable_permute_local_kv = worker.enable_heterogeneous_attn_post_process = False
+    worker.use_host_buffer = False
+    worker._get_new_notifs = set
+    worker._sync_device_after_mamba_recv = lambda done, failed: None
+    worker._reqs_to_send = {}
+    worker.tp_rank = 0
+    worker.nixl_memory_type = "VRAM"
+    monkeypatch.setattr(landing, "landing_descriptors", lambda *args, **kwargs: ([], []))
+
+    def device_read(self, read_spec, dst_engine_id, request_id, *args):
+        if self.nixl_wrapper.device_setup_fails:
+            self._log_failure(failure_type="transfer_setup_failed")
+            self._handle_failed_transfer(request_id, None)
+        else:
+            self.nixl_wrapper.states["device"] = "PROC"
+            self._recving_transfers[request_id].append("device")
+
+    monkeypatch.setattr(landing.NixlPullConnectorWorker, "_read_blocks", device_read)
+    read_spec = SimpleNamespace(remote_rank=0, remote_block_ids=remote.block_ids)
+    worker._read_blocks(read_spec, "P", "R", "remote-R", 0, 0, 1)
+    return worker
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["landing-setup-fails", "device-setup-fails", "landing-read-fails", "device-read-fails", "both-done"],
+)
+def test_a_landing_request_is_reported_finished_once_no_read_of_it_writes(monkeypatch, case):
+    """A request whose pages land in the host pool has two NIXL reads: its device blocks and
+    its landed host pages. Upstream reports a request finished at its first failed read,
+    even with another read of it in flight: the scheduler then freed (policy "fail") or
+    recomputed into (policy "recompute") device blocks and host pages the other read still
+    wrote, and when that read ended the worker reported the request again and failed its
+    assertion on the metadata it had already dropped. Now a failed read names the blocks
+    at once (the scheduler holds a waiting request's blocks until it is reported finished),
+    and the request is reported finished, failed, once none of its reads is in flight; one
+    whose landing read cannot start starts no device read."""
+    worker = _two_read_worker(
+        monkeypatch,
+        landing_setup_fails=case == "landing-setup-fails",
+        device_setup_fails=case == "device-setup-fails",
+    )
+    states = worker.nixl_wrapper.states
+    if case == "landing-setup-fails":
+        assert states == {}, "no read starts"
+        assert worker.get_finished()[1] == {"R"}, "failed at once: nothing of it is in flight"
+        assert worker.get_block_ids_with_load_errors() == {7, 8, 9}
+        return
+    if case == "landing-read-fails":
+        states["landing"] = "ERR"
+    elif case == "device-read-fails":
+        states["device"] = "ERR"
+    elif case == "both-done":
+        states.update(landing="DONE", device="DONE")
+    reads_left = [h for h in ("landing", "device") if states.get(h) == "PROC"]
+    if reads_left:
+        assert worker.get_finished()[1] == set(), f"{reads_left} still writes: R is not finished"
+        assert worker.get_block_ids_with_load_errors() == {7, 8, 9}, "its blocks are named failed at once"
+        assert worker._recving_transfers["R"] == reads_left
+        for handle in reads_left:
+            states[handle] = "DONE"
+    # Reported once, with no read left; a failed one as failed (upstream's get_finished then
+    # skips its post-processing).
+    assert worker.get_finished()[1] == {"R"}
+    assert "R" not in worker._recving_transfers and "R" not in worker._recving_metadata
+    assert worker.get_finished()[1] == set()
+    assert sorted(worker.nixl_wrapper.released) == sorted(h for h in ("landing", "device") if h in states)
+    assert (case == "both-done") == (not worker.failures)

@@ -295,6 +295,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         self._host_pages: dict[str, torch.Tensor] = {}
         # Landed pages of requests whose reads have not started (page -> host page).
         self._landings: dict[str, dict[int, int]] = {}
+        # Requests one of whose reads failed while another was in flight: reported
+        # finished, failed, once none is (`_pop_done_transfers`).
+        self._failed_reads: set[str] = set()
         # Only an instance that reads imports (kv_consumer, kv_both) lands pages in its host
         # pool; a producer never registers the pool, which holds every user's demoted KV.
         self._lands_imports = lands_imports(vllm_config)
@@ -389,13 +392,17 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             # Both reads notify the producer, each counting every read: it frees its
             # blocks once both are done, whichever completes first.
             expected_consumers *= 2
-            self._read_landed_pages(
+            started = self._read_landed_pages(
                 read_spec,
                 dst_engine_id,
                 request_id,
                 f"{remote_request_id}:{expected_consumers}".encode(),
                 landing,
             )
+            if not started:
+                # The request is reported failed with no read of it in flight; a device
+                # read started now would write its blocks on after that report.
+                return
         super()._read_blocks(
             read_spec,
             dst_engine_id,
@@ -408,7 +415,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
 
     def _read_landed_pages(
         self, read_spec: Any, dst_engine_id: str, request_id: str, notif: bytes, landing: dict[int, int]
-    ) -> None:
+    ) -> bool:
+        """Start the read of the landed pages into their host pages; whether it started (if
+        not, the request's load has failed)."""
         remote_rank = read_spec.remote_rank
         handle = None
         try:
@@ -427,6 +436,7 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             )
             self.nixl_wrapper.transfer(handle)
             self._recving_transfers.setdefault(request_id, []).append(handle)
+            return True
         except Exception as e:
             self._log_failure(
                 failure_type="host_landing_failed",
@@ -437,6 +447,7 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
                 remote_rank=remote_rank,
             )
             self._handle_failed_transfer(request_id, handle)
+            return False
 
     def _handle_failed_transfer(self, req_id: str, handle: int | None):
         """Upstream's, naming the request's blocks in every KV cache group where upstream
@@ -450,7 +461,64 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         if meta is not None and self._group_of_landed_layer and not self._is_hma_required:
             named = {b for group in meta.local_block_ids for b in group if b != NULL_BLOCK_ID}
             self._invalid_block_ids.put(named)
+        if any(h != handle for h in self._recving_transfers.get(req_id, ())):
+            # Another read of the request is still in flight: its blocks are named failed
+            # now (the scheduler holds a waiting request's blocks until it is reported
+            # finished), and it is reported finished, failed, once no read of it writes
+            # (`_pop_done_transfers`).
+            if meta is not None and not self._group_of_landed_layer and not self._is_hma_required:
+                self._invalid_block_ids.put(set(meta.local_block_ids[0]))  # as upstream names them
+            self._failed_reads.add(req_id)
+            if handle is not None:
+                self.nixl_wrapper.release_xfer_handle(handle)
+            self.xfer_stats.record_failed_transfer()
+            return
         super()._handle_failed_transfer(req_id, handle)
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
+        """The requests all of whose reads have ended, as upstream's; but a request one of
+        whose reads failed is reported finished, failed (through the queue upstream's
+        `get_finished` reports failures from), only once none of its reads is in flight.
+        Upstream reports it at the first failure: a landing request has two reads (the
+        device blocks and the landed host pages), and the scheduler would then free, or
+        recompute into, blocks and host pages the other read still writes."""
+        done: set[str] = set()
+        for req_id, handles in list(transfers.items()):
+            in_flight = [handle for handle in handles if self._read_in_flight(req_id, handle)]
+            if in_flight:
+                transfers[req_id] = in_flight
+                continue
+            del transfers[req_id]
+            if req_id in self._failed_reads:
+                self._failed_reads.discard(req_id)
+                self._failed_recv_reqs.put(req_id)
+            else:
+                done.add(req_id)
+        return done
+
+    def _read_in_flight(self, req_id: str, handle: int) -> bool:
+        """Whether the read is still running; a finished one's handle is released, a failed
+        one goes to `_handle_failed_transfer`."""
+        try:
+            state = self.nixl_wrapper.check_xfer_state(handle)
+            if state == "PROC":
+                return True
+            if state == "DONE":
+                self.xfer_stats.record_transfer(self.nixl_wrapper.get_xfer_telemetry(handle))
+                self.nixl_wrapper.release_xfer_handle(handle)
+                return False
+            self._log_failure(
+                failure_type="transfer_failed",
+                msg="Marking blocks as invalid",
+                req_id=req_id,
+                xfer_state=state,
+            )
+        except Exception as e:
+            self._log_failure(
+                failure_type="transfer_exception", msg="Marking blocks as invalid", req_id=req_id, error=e
+            )
+        self._handle_failed_transfer(req_id, handle)
+        return False
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         done_sending, done_recving = super().get_finished()
