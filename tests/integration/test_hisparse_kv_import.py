@@ -424,6 +424,44 @@ def test_a_failed_synchronous_load_takes_every_groups_blocks_out_of_the_prefix_c
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["load-done", "load-fails"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_pages_a_load_fills_during_the_forward_are_copied_only_once_the_load_is_confirmed(
+    model, tmp_path, policy, fails
+):
+    """A connector that loads during the forward (ExampleConnector's way) fills the pages of
+    a request the step schedules; HiSparse's proactive copies run after that same forward.
+    Copied in the load's own step, a failed load's pages reached the host pool and were
+    published under the prompt's hashes, never written: with "recompute" they backed the
+    recomputing request's BOTH pages, and either way another request's host hit could read
+    them. Now the pages wait for the step's output: copied once the load is confirmed, and
+    never when it failed."""
+    h = consumer(model, tmp_path, hisparse=True, kv_load_failure_policy=policy)
+    tokens = prompt(1, 200)
+    prefix = store(h, tokens)
+    h.add_request(tokens, max_tokens=8, request_id="imported")
+    output = h.schedule()
+    assert output.num_scheduled_tokens["imported"] == len(tokens) - prefix, "loaded in this forward"
+    assert not [c for c in output.hisparse_plan.copies if c.page_index < prefix // BLOCK]
+    loaded = {b for group in h.block_ids("imported") for b in group[: prefix // BLOCK]}
+    report = h.model_runner_output(output)
+    if fails:
+        report.kv_connector_output = KVConnectorOutput(invalid_block_ids=loaded)
+    h.scheduler.update_from_output(output, report)
+    h.run_until_done()
+    request = h.requests["imported"]
+    assert request.status == (
+        RequestStatus.FINISHED_ERROR if fails and policy == "fail" else RequestStatus.FINISHED_LENGTH_CAPPED
+    )
+    pool = h.hisparse.residency.host_pool
+    published = [i for i in range(prefix // BLOCK) if pool.lookup(request.block_hashes[i]) is not None]
+    if fails and policy == "fail":
+        assert published == [], "nothing of a failed load reaches the host pool"
+    else:  # confirmed, or recomputed: its pages are copied, as any page
+        assert published == list(range(prefix // BLOCK))
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1 and pool.num_referenced == 0
+
+
 def finished_producer_request(h: SchedulerHarness, request_id: str):
     """A prompt a producer computed for remote decode, finished after its one token."""
     request = h.add_request(

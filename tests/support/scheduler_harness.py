@@ -351,8 +351,9 @@ class SchedulerHarness:
         self._sends: list[tuple[int, str]] = []
         # NIXL reads started, those that failed, and sends offered.
         self.nixl_counts: Counter[str] = Counter()
-        # Host pages of failed reads, by the output reporting them (checked once it is processed).
-        self._failed_landings: dict[int, list[int]] = {}
+        # Failed reads (request, blocks named, host pages landed in), by the output reporting
+        # them: checked once it is processed.
+        self._failed_reads: dict[int, list[tuple[str, set[int], list[int]]]] = {}
         # Scheduled steps whose output is not processed yet, newest first, with that output.
         self._batches: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.batch_queue_size = vllm_config.max_concurrent_batches
@@ -561,10 +562,10 @@ class SchedulerHarness:
             finished_sending=sends,
             invalid_block_ids={b for _, _, failed, _ in reads for b in failed},
         )
-        # The host pages that failed reads were landing in: none may be published once the
-        # failure is processed (`step` checks).
-        self._failed_landings[id(output)] = [
-            page for _, _, failed, landed in reads if failed for page in landed
+        # The failed reads, checked once their failure is processed (`step`): the requests
+        # and blocks they name, and the host pages they were landing in.
+        self._failed_reads[id(output)] = [
+            (req_id, failed, landed) for _, req_id, failed, landed in reads if failed
         ]
         return output
 
@@ -631,7 +632,7 @@ class SchedulerHarness:
         if not (queue_has_room and (executed or self.scheduler.has_requests())):
             done, output = self._batches.pop()
             self.scheduler.update_from_output(done, output)
-            self._check_failed_landings(output)
+            self._check_failed_reads(output)
             if self.num_speculative_tokens and self.batch_queue_size == 1:
                 self._propose_drafts(done)
 
@@ -660,13 +661,26 @@ class SchedulerHarness:
         self.observations.append(observation)
         return observation
 
-    def _check_failed_landings(self, output: ModelRunnerOutput) -> None:
-        """A failed read's landed host pages were never filled: once the failure is
-        processed none may be published in the host pool, where a later hit would read it."""
-        pages = self._failed_landings.pop(id(output.kv_connector_output), [])
-        pool = self.hisparse.residency.host_pool if pages else None
-        published = [page for page in pages if pool.is_indexed(page)]
-        assert not published, f"host pages of failed reads published: {published}"
+    def _check_failed_reads(self, output: ModelRunnerOutput) -> None:
+        """Once a failed read is processed, its request counts as computed nothing its
+        failed blocks hold (it recomputes from the first, in every group's block size), and
+        none of the host pages it was landing in (never filled) is published in the host
+        pool, where a later hit would read it."""
+        groups = self.kv_cache_config.kv_cache_groups
+        for req_id, failed, landed in self._failed_reads.pop(id(output.kv_connector_output), []):
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and not request.is_finished():
+                for g, ids in enumerate(self.block_ids(req_id)):
+                    first = next((i for i, b in enumerate(ids) if b in failed), None)
+                    bound = None if first is None else first * groups[g].kv_cache_spec.block_size
+                    assert bound is None or request.num_computed_tokens <= bound, (
+                        f"{req_id} counts {request.num_computed_tokens} tokens computed; its read failed "
+                        f"from token {bound} (group {g})"
+                    )
+            if self.hisparse is not None:
+                pool = self.hisparse.residency.host_pool
+                published = [page for page in landed if pool.is_indexed(page)]
+                assert not published, f"host pages of failed reads published: {published}"
 
     def busy(self) -> bool:
         """Whether the engine would step again: requests, pending work, batches in flight, or

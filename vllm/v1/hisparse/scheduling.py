@@ -151,6 +151,11 @@ class HiSparseScheduling:
         self._unplaced: set[str] = set()
         # Host -> device restores of connector hits allocated this step.
         self._restores: list[PageRestore] = []
+        # Tokens a KV connector loads in the step that schedules the request (a load during
+        # the forward), this step's: request -> tokens; and the loads not yet confirmed by
+        # their step's output: request -> (the first token loaded, the step's plan).
+        self._loads_this_step: dict[str, int] = {}
+        self._unconfirmed_loads: dict[str, tuple[int, int]] = {}
         self._steps = itertools.count()
         self.staging_rows_leased = 0
         # Prefill chunks that restored their request's HOST pages instead of staging.
@@ -456,6 +461,8 @@ class HiSparseScheduling:
     def after_allocation(self, request: Request, num_external_tokens: int) -> None:
         """A waiting request's blocks are allocated: restore its connector hit's pages."""
         self._restores.extend(self.admissions.after_allocation(request, num_external_tokens))
+        if num_external_tokens > 0:
+            self._loads_this_step[request.request_id] = num_external_tokens
 
     def host_landing(self, request_id: str) -> dict[int, int]:
         """The pages of `request_id`'s import that land in the host pool: page index -> host page."""
@@ -471,6 +478,7 @@ class HiSparseScheduling:
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
+        self._unconfirmed_loads.pop(request.request_id, None)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
@@ -567,6 +575,9 @@ class HiSparseScheduling:
 
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
+        step = next(self._steps)
+        if self._loads_this_step:
+            self._note_loads(scheduler, scheduler_output, step)
         for request_id in scheduler_output.num_scheduled_tokens:
             if request_id not in self._failed:
                 self._sync_request(scheduler.requests[request_id])
@@ -588,7 +599,6 @@ class HiSparseScheduling:
         restores, self._restores = self._own_restores(self._restores), []
         new_host_pages, new_leases = self.residency.drain_changes()
         k = len(self.mla_group_ids)
-        step = next(self._steps)
         staging, held = [], []
         for request_id in list(self._staging):
             if request_id not in scheduler_output.num_scheduled_tokens:
@@ -628,6 +638,21 @@ class HiSparseScheduling:
             self.check_ownership()
             check_plan(self.blocks, scheduler_output.hisparse_plan)
 
+    def _note_loads(self, scheduler: Scheduler, scheduler_output: SchedulerOutput, step: int) -> None:
+        """The step's connector loads that run in its forward (the requests it schedules
+        for the first time; a request waiting for an asynchronous load is not scheduled,
+        and its load is done when it is). Until the step's output confirms them, their
+        pages are not copied or demoted (`_sync_request`): a load can fail, and the
+        scheduler then recomputes its pages or ends the request (upstream's
+        `kv_load_failure_policy`), while a copy made after the forward would have put
+        never-written KV in the host pool, published for other requests' hits."""
+        loads, self._loads_this_step = self._loads_this_step, {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, num_loaded in loads.items():
+            if request_id in scheduled:  # its computed tokens count the step's tokens now
+                computed = scheduler.requests[request_id].num_computed_tokens - scheduled[request_id]
+                self._unconfirmed_loads[request_id] = (computed - num_loaded, step)
+
     def _own_restores(self, restores: list[PageRestore]) -> list[PageRestore]:
         """The step's restores whose page in their request's block table still holds the
         blocks they fill. A page restored early in the schedule may be demoted again by a
@@ -664,6 +689,9 @@ class HiSparseScheduling:
         flight is cancelled and planning stops.
         """
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
+        if plan is not None and self._unconfirmed_loads:
+            # This step's loads ran; a failed one is in this output and truncates its request.
+            self._unconfirmed_loads = {r: v for r, v in self._unconfirmed_loads.items() if v[1] != plan.step}
         if plan is not None:
             staging = self._staging_in_flight.pop(plan.step, None)
             if staging:
@@ -773,6 +801,8 @@ class HiSparseScheduling:
             self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
+        if request_id in self._unconfirmed_loads:
+            stable = min(stable, self._unconfirmed_loads[request_id][0])
         if self.enable_caching:
             self.blocks.cache_pages(request, stable)
             stable = min(stable, self.blocks.num_cached_pages(request_id) * self.block_size)
