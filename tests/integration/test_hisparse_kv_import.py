@@ -138,6 +138,52 @@ def test_under_pressure_an_import_lands_in_the_host_pool_and_is_admitted_at_once
     )
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["load-done", "load-fails"])
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_pages_that_land_during_the_forward_are_published_only_once_the_load_is_confirmed(
+    model, tmp_path, policy, fails
+):
+    """Under pressure a connector that loads during the forward lands the import's pages in
+    the host pool. They were published under the prompt's hashes when the request was
+    scheduled, before the load ran: a failed load left them published, never filled, and
+    with "recompute" the request recomputed its prompt into the placeholders of its table
+    (the null block) while reading those host pages. Now they are published once the
+    step's output confirms the load; a failed one ends the request with an error whatever
+    the policy (a recompute cannot write pages the table holds as placeholders), and none
+    of its pages is published."""
+    h = consumer(model, tmp_path, hisparse=True, kv_load_failure_policy=policy)
+    busy(h)
+    tokens = prompt(1, 400)
+    prefix = store(h, tokens)
+    h.add_request(tokens, max_tokens=8, request_id="imported")
+    output = h.schedule()
+    assert output.num_scheduled_tokens.get("imported") == len(tokens) - prefix, "loaded in this forward"
+    landed = [
+        i for i, page in enumerate(h.hisparse.residency.requests["imported"].pages) if page.block_ids is None
+    ]
+    assert landed == list(range(prefix // BLOCK)), "every page of the import lands in the host pool"
+    pool = h.hisparse.residency.host_pool
+    hashes = h.requests["imported"].block_hashes
+    assert all(pool.lookup(hashes[i]) is None for i in landed), "not published before the load has run"
+    report = h.model_runner_output(output)
+    if fails:
+        loaded = {b for group in h.block_ids("imported") for b in group[: prefix // BLOCK] if b != 0}
+        report.kv_connector_output = KVConnectorOutput(invalid_block_ids=loaded)
+    h.scheduler.update_from_output(output, report)
+    request = h.requests["imported"]
+    published = [i for i in landed if pool.lookup(hashes[i]) is not None]
+    if fails:
+        assert request.status == RequestStatus.FINISHED_ERROR
+        assert published == []
+    else:
+        assert published == landed, "published once the load is confirmed"
+    h.run_until_done()
+    assert all(
+        r.num_output_tokens == r.max_tokens for rid, r in h.requests.items() if rid != "imported" or not fails
+    )
+    assert pool.num_referenced == 0 and h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+
+
 def test_without_hisparse_the_same_import_waits_for_device_blocks(model, tmp_path):
     h = consumer(model, tmp_path, hisparse=False)
     busy(h)

@@ -440,6 +440,7 @@ class ResidencyManager:
         host_pages: Sequence[HostPage],
         hot_blocks: Sequence[BlockId],
         imported: bool = False,
+        publish: bool = True,
     ) -> None:
         """Pages the request takes from the host pool instead of computing them (it turns NONE).
 
@@ -447,7 +448,8 @@ class ResidencyManager:
         lease's blocks pass to it too (or go back, if it already has a lease).
         `imported`: the pages are a KV connector's import that landed in the host
         pool; they are indexed by the request's block hashes, so later requests can
-        start from them too.
+        start from them too (with `publish` False, once `publish_imported` says the
+        load that fills them is done).
         """
         req = self.requests[request_id]
         if req.hot_blocks:
@@ -462,7 +464,7 @@ class ResidencyManager:
             self.counters.hot_leases += 1
             self._new_leases.append((request_id, req.hot_blocks))
         start = len(req.pages)
-        if imported:
+        if imported and publish:
             for index, page in enumerate(host_pages, start):
                 if (block_hash := req.page_hash(index)) is not None:
                     self.host_pool.publish(page, block_hash)
@@ -477,6 +479,18 @@ class ResidencyManager:
             self.counters.pages_imported_to_host += len(host_pages)
         else:
             self.counters.host_prefix_pages_reused += len(host_pages)
+
+    def publish_imported(self, request_id: str, start: int, host_pages: Sequence[HostPage]) -> None:
+        """Index imported pages (`append_host_pages` with `publish` False) by the request's
+        block hashes, now that the load that filled them is done: those still the
+        request's, on the same host pages."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        table = req.pages
+        for index, page in enumerate(host_pages, start):
+            if index < len(table) and table.host_page[index] == page and (block_hash := req.page_hash(index)):
+                self.host_pool.publish(page, block_hash)
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[BlockId]]) -> None:
         """New pages the KV cache manager gave the request, in order: k block ids each."""

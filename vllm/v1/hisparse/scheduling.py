@@ -50,6 +50,7 @@ from vllm.v1.hisparse.plan import (
     WORKER_COUNTERS,
     BlockId,
     HiSparseStepPlan,
+    HostPage,
     HotLeaseUpdate,
     PageIndex,
     PageRestore,
@@ -156,6 +157,9 @@ class HiSparseScheduling:
         # their step's output: request -> (the first token loaded, the step's plan).
         self._loads_this_step: dict[str, int] = {}
         self._unconfirmed_loads: dict[str, tuple[int, int]] = {}
+        # Pages of such a load that landed in the host pool, published once it is confirmed:
+        # request -> runs of (first page, host pages).
+        self._unpublished_imports: dict[str, list[tuple[int, list[HostPage]]]] = {}
         self._steps = itertools.count()
         self.staging_rows_leased = 0
         # Prefill chunks that restored their request's HOST pages instead of staging.
@@ -479,6 +483,7 @@ class HiSparseScheduling:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
         self._unconfirmed_loads.pop(request.request_id, None)
+        self._unpublished_imports.pop(request.request_id, None)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
@@ -653,6 +658,26 @@ class HiSparseScheduling:
                 computed = scheduler.requests[request_id].num_computed_tokens - scheduled[request_id]
                 self._unconfirmed_loads[request_id] = (computed - num_loaded, step)
 
+    def _confirm_loads(self, step: int, output: ModelRunnerOutput) -> None:
+        """The loads that ran in the forward of step `step` are done: their pages may be
+        copied and demoted from now on, and their pages that landed in the host pool are
+        published. A load the output names failed (blocks of its request among the
+        invalid ones) is left to upstream's scan, which follows `kv_load_failure_policy`
+        on the pages in the table; one with pages landed in the host pool ends its request
+        with an error instead: those pages are placeholders in its table, which a
+        recompute could not write, and their host pages were never filled."""
+        transfer = getattr(output, "kv_connector_output", None)
+        invalid = getattr(transfer, "invalid_block_ids", None) or set()
+        for request_id in [r for r, (_, s) in self._unconfirmed_loads.items() if s == step]:
+            del self._unconfirmed_loads[request_id]
+            imports = self._unpublished_imports.pop(request_id, [])
+            if invalid and any(block in invalid for block in self.blocks.pages_named(request_id, invalid)):
+                if imports:
+                    self._fail(request_id, "its KV connector's load into the host pool failed")
+                continue
+            for start, pages in imports:
+                self.residency.publish_imported(request_id, start, pages)
+
     def _own_restores(self, restores: list[PageRestore]) -> list[PageRestore]:
         """The step's restores whose page in their request's block table still holds the
         blocks they fill. A page restored early in the schedule may be demoted again by a
@@ -690,8 +715,7 @@ class HiSparseScheduling:
         """
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
         if plan is not None and self._unconfirmed_loads:
-            # This step's loads ran; a failed one is in this output and truncates its request.
-            self._unconfirmed_loads = {r: v for r, v in self._unconfirmed_loads.items() if v[1] != plan.step}
+            self._confirm_loads(plan.step, output)
         if plan is not None:
             staging = self._staging_in_flight.pop(plan.step, None)
             if staging:
@@ -860,7 +884,12 @@ class HiSparseScheduling:
         def pass_run() -> None:
             if run:
                 pages = [record.host_pages[position] for position in run]
-                residency.append_host_pages(request_id, pages, record.lease, imported=run_imported)
+                unconfirmed = run_imported and request_id in self._unconfirmed_loads
+                residency.append_host_pages(
+                    request_id, pages, record.lease, imported=run_imported, publish=not unconfirmed
+                )
+                if unconfirmed:  # published once the load is confirmed (`_confirm_loads`)
+                    self._unpublished_imports.setdefault(request_id, []).append((run[0], pages))
                 record.lease = []
                 for position in run:
                     del record.host_pages[position]
