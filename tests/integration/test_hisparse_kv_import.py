@@ -470,6 +470,35 @@ def test_a_failed_synchronous_load_takes_every_groups_blocks_out_of_the_prefix_c
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_request_sharing_an_unconfirmed_loads_blocks_does_not_copy_them_either(model, tmp_path, policy):
+    """vLLM caches a load's blocks when it allocates them, so a request admitted in the same
+    step with the same prefix shares them through its device prefix hit. Its copies of
+    those pages ran after the forward, and a failed load's pages were published through
+    them, never written. Pages whose blocks an unconfirmed load fills wait for the load's
+    output in whichever request holds them."""
+    h = consumer(model, tmp_path, hisparse=True, kv_load_failure_policy=policy)
+    tokens = prompt(1, 200)
+    prefix = store(h, tokens)
+    h.add_request(tokens, max_tokens=8, request_id="imported")
+    h.add_request([*tokens[:prefix], *prompt(5, 70)], max_tokens=8, request_id="sharer")
+    output = h.schedule()
+    assert output.num_scheduled_tokens["imported"] == len(tokens) - prefix, "loaded in this forward"
+    loaded = {b for group in h.block_ids("imported") for b in group[: prefix // BLOCK]}
+    assert {b for group in h.block_ids("sharer") for b in group} >= loaded, "the sharer's hit holds them"
+    assert not [c for c in output.hisparse_plan.copies if set(c.block_ids) & loaded]
+    report = h.model_runner_output(output)
+    report.kv_connector_output = KVConnectorOutput(invalid_block_ids=loaded)
+    h.scheduler.update_from_output(output, report)
+    h.run_until_done()
+    pool = h.hisparse.residency.host_pool
+    hashes = h.requests["imported"].block_hashes
+    published = [i for i in range(prefix // BLOCK) if pool.lookup(hashes[i]) is not None]
+    if policy == "fail":
+        assert published == [], "nothing of the failed load reaches the host pool"
+    assert pool.num_referenced == 0 and h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["load-done", "load-fails"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_pages_a_load_fills_during_the_forward_are_copied_only_once_the_load_is_confirmed(

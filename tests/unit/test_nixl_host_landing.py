@@ -136,7 +136,7 @@ def test_a_peers_block_ids_must_lie_within_its_announced_blocks(block_ids, probl
     assert (found is None) if problem is None else (problem in found), found
 
 
-def _worker_stand_in(dst_num_blocks, ratio=1):
+def _worker_stand_in(dst_num_blocks, ratio=1, remote_dcp=1):
     """A HostLandingNixlWorker without NIXL: the state `_read_blocks_for_req` reads, and its
     failure calls recorded."""
     from types import SimpleNamespace
@@ -147,7 +147,8 @@ def _worker_stand_in(dst_num_blocks, ratio=1):
 
     worker = object.__new__(HostLandingNixlWorker)
     worker.dst_num_blocks = dst_num_blocks
-    info = SimpleNamespace(remote_physical_blocks_per_logical=ratio)
+    worker.dcp_size = 1
+    info = SimpleNamespace(remote_physical_blocks_per_logical=ratio, remote_dcp_size=remote_dcp)
     worker.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info)
     worker._landings = {"req": {0: 1}}
     worker.failures = []
@@ -181,6 +182,26 @@ def test_a_peer_naming_blocks_outside_its_handshake_fails_the_request_and_reads_
     assert reads == [] and "block 3" in worker.failures[0][2]
     # Ids within the peer's blocks: upstream's read runs.
     worker = _worker_stand_in({"prefill-0": NUM_BLOCKS})
+    worker._read_blocks_for_req("req", _meta([[1, 2], [3, 11]]))
+    assert reads == ["req"] and worker.failures == []
+
+
+def test_pages_do_not_land_from_a_peer_with_decode_context_parallelism(monkeypatch):
+    """A peer with decode context parallelism holds an interleaved slice of the tokens on
+    each rank, read one rank at a time; the landed pages are read whole from one rank. A
+    request whose pages would land fails (the scheduler recomputes it or ends it, by
+    `kv_load_failure_policy`); one landing nothing reads as upstream."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
+
+    reads = []
+    monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req",
+                        lambda self, req_id, meta: reads.append(req_id))  # fmt: skip
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS}, remote_dcp=2)
+    worker._read_blocks_for_req("req", _meta([[1, 2], [3, 11]]))
+    assert reads == [] and [f[0] for f in worker.failures] == ["log", "failed"]
+    assert "decode context parallelism" in worker.failures[0][2]
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS}, remote_dcp=2)
+    worker._landings = {}
     worker._read_blocks_for_req("req", _meta([[1, 2], [3, 11]]))
     assert reads == ["req"] and worker.failures == []
 
@@ -290,7 +311,7 @@ def _two_read_worker(monkeypatch, *, landing_setup_fails=False, device_setup_fai
     worker._group_of_landed_layer = {"model.layers.0.self_attn.attn": 0}
     worker._is_hma_required = False
     worker._invalid_block_ids, worker._failed_recv_reqs = queue.Queue(), queue.Queue()
-    worker._failed_reads = set()
+    worker._failed_reads, worker._landing_not_started = set(), set()
     worker.xfer_stats = SimpleNamespace(
         record_failed_transfer=lambda: None, record_transfer=lambda result: None
     )
@@ -343,6 +364,8 @@ def test_a_landing_request_is_reported_finished_once_no_read_of_it_writes(monkey
     at once (the scheduler holds a waiting request's blocks until it is reported finished),
     and the request is reported finished, failed, once none of its reads is in flight; one
     whose landing read cannot start starts no device read."""
+    from types import SimpleNamespace
+
     worker = _two_read_worker(
         monkeypatch,
         landing_setup_fails=case == "landing-setup-fails",
@@ -351,6 +374,11 @@ def test_a_landing_request_is_reported_finished_once_no_read_of_it_writes(monkey
     states = worker.nixl_wrapper.states
     if case == "landing-setup-fails":
         assert states == {}, "no read starts"
+        # Upstream reads once per remote rank it reads from: a later rank's read starts
+        # nothing either (its landing went with the first).
+        read_spec = SimpleNamespace(remote_rank=1, remote_block_ids=[[4, 5, 6], [4, 5, 6]])
+        worker._read_blocks(read_spec, "P", "R", "remote-R", 0, 0, 1)
+        assert states == {}, "no read starts for another rank"
         assert worker.get_finished()[1] == {"R"}, "failed at once: nothing of it is in flight"
         assert worker.get_block_ids_with_load_errors() == {7, 8, 9}
         return

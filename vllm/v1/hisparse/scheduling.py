@@ -154,9 +154,13 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         # Tokens a KV connector loads in the step that schedules the request (a load during
         # the forward), this step's: request -> tokens; and the loads not yet confirmed by
-        # their step's output: request -> (the first token loaded, the step's plan).
+        # their step's output: request -> the step's plan.
         self._loads_this_step: dict[str, int] = {}
-        self._unconfirmed_loads: dict[str, tuple[int, int]] = {}
+        self._unconfirmed_loads: dict[str, int] = {}
+        # Their pages' blocks (the first sparse-MLA group's), by the step that loads them:
+        # upstream caches a load's blocks when it allocates them, so another request's prefix
+        # hit can share them before the load is confirmed.
+        self._unconfirmed_blocks: dict[int, int] = {}
         # Pages of such a load that landed in the host pool, published once it is confirmed:
         # request -> runs of (first page, host pages).
         self._unpublished_imports: dict[str, list[tuple[int, list[HostPage]]]] = {}
@@ -647,16 +651,23 @@ class HiSparseScheduling:
         """The step's connector loads that run in its forward (the requests it schedules
         for the first time; a request waiting for an asynchronous load is not scheduled,
         and its load is done when it is). Until the step's output confirms them, their
-        pages are not copied or demoted (`_sync_request`): a load can fail, and the
-        scheduler then recomputes its pages or ends the request (upstream's
-        `kv_load_failure_policy`), while a copy made after the forward would have put
-        never-written KV in the host pool, published for other requests' hits."""
+        pages are not copied or demoted, in this request or in any other whose prefix hit
+        shares their blocks (`_sync_request`): a load can fail, and the scheduler then
+        recomputes its pages or ends the request (upstream's `kv_load_failure_policy`),
+        while a copy made after the forward would have put never-written KV in the host
+        pool, published for other requests' hits."""
         loads, self._loads_this_step = self._loads_this_step, {}
         scheduled = scheduler_output.num_scheduled_tokens
+        page = self.block_size
         for request_id, num_loaded in loads.items():
             if request_id in scheduled:  # its computed tokens count the step's tokens now
                 computed = scheduler.requests[request_id].num_computed_tokens - scheduled[request_id]
-                self._unconfirmed_loads[request_id] = (computed - num_loaded, step)
+                first, end = (computed - num_loaded) // page, -(-computed // page)
+                self._unconfirmed_loads[request_id] = step
+                null = self.blocks.null_block_id
+                for block in self.blocks.page_columns(request_id, first)[0][: end - first]:
+                    if block.block_id != null:  # a page landing in the host pool has none
+                        self._unconfirmed_blocks[block.block_id] = step
 
     def _confirm_loads(self, step: int, output: ModelRunnerOutput) -> None:
         """The loads that ran in the forward of step `step` are done: their pages may be
@@ -668,7 +679,8 @@ class HiSparseScheduling:
         recompute could not write, and their host pages were never filled."""
         transfer = getattr(output, "kv_connector_output", None)
         invalid = getattr(transfer, "invalid_block_ids", None) or set()
-        for request_id in [r for r, (_, s) in self._unconfirmed_loads.items() if s == step]:
+        self._unconfirmed_blocks = {b: s for b, s in self._unconfirmed_blocks.items() if s != step}
+        for request_id in [r for r, s in self._unconfirmed_loads.items() if s == step]:
             del self._unconfirmed_loads[request_id]
             imports = self._unpublished_imports.pop(request_id, [])
             if invalid and any(block in invalid for block in self.blocks.pages_named(request_id, invalid)):
@@ -714,7 +726,7 @@ class HiSparseScheduling:
         flight is cancelled and planning stops.
         """
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
-        if plan is not None and self._unconfirmed_loads:
+        if plan is not None and (self._unconfirmed_loads or self._unconfirmed_blocks):
             self._confirm_loads(plan.step, output)
         if plan is not None:
             staging = self._staging_in_flight.pop(plan.step, None)
@@ -825,12 +837,24 @@ class HiSparseScheduling:
             self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
-        if request_id in self._unconfirmed_loads:
-            stable = min(stable, self._unconfirmed_loads[request_id][0])
+        if self._unconfirmed_blocks:
+            stable = min(stable, self._before_unconfirmed_pages(request_id, req.num_complete_pages, stable))
         if self.enable_caching:
             self.blocks.cache_pages(request, stable)
             stable = min(stable, self.blocks.num_cached_pages(request_id) * self.block_size)
         residency.advance(request_id, stable)
+
+    def _before_unconfirmed_pages(self, request_id: str, first: int, num_tokens: int) -> int:
+        """`num_tokens`, or fewer: up to the first of the request's pages from page `first` on
+        whose blocks a load not yet confirmed fills (`_note_loads`)."""
+        unconfirmed = self._unconfirmed_blocks
+        end = -(-num_tokens // self.block_size)
+        for index, block in enumerate(
+            self.blocks.page_columns(request_id, first)[0][: max(end - first, 0)], first
+        ):
+            if block.block_id in unconfirmed:
+                return index * self.block_size
+        return num_tokens
 
     def _register_pages(self, request_id: str, record: PendingAdmission) -> None:
         """The request's new table pages, registered with residency; the admission's host

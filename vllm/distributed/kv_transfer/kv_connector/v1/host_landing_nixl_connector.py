@@ -298,6 +298,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         # Requests one of whose reads failed while another was in flight: reported
         # finished, failed, once none is (`_pop_done_transfers`).
         self._failed_reads: set[str] = set()
+        # Requests whose landing read could not start: reported failed, no read of theirs
+        # may start after (upstream reads once per remote rank it reads from).
+        self._landing_not_started: set[str] = set()
         # Only an instance that reads imports (kv_consumer, kv_both) lands pages in its host
         # pool; a producer never registers the pool, which holds every user's demoted KV.
         self._lands_imports = lands_imports(vllm_config)
@@ -365,6 +368,11 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             problem = remote_block_ids_problem(
                 remote.block_ids, len(meta.local_block_ids), num_blocks // max(int(ratio), 1)
             )
+            remote_dcp = getattr(topo.get_engine_info(remote.engine_id), "remote_dcp_size", 1) if topo else 1
+            if problem is None and req_id in self._landings and max(self.dcp_size, remote_dcp) > 1:
+                # Each rank then holds an interleaved slice of the tokens, read one rank at a
+                # time; the landed pages are read whole from one rank.
+                problem = "pages cannot land in the host pool from a peer with decode context parallelism"
             if problem is not None:
                 self._landings.pop(req_id, None)
                 self._log_failure(
@@ -387,6 +395,8 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         remote_xfer_side_handle: int,
         expected_consumers: int,
     ):
+        if request_id in self._landing_not_started:
+            return  # reported failed: a read started now would write on after that report
         landing = self._landings.pop(request_id, None)
         if landing:
             # Both reads notify the producer, each counting every read: it frees its
@@ -401,7 +411,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             )
             if not started:
                 # The request is reported failed with no read of it in flight; a device
-                # read started now would write its blocks on after that report.
+                # read started now, or for another remote rank, would write its blocks on
+                # after that report.
+                self._landing_not_started.add(request_id)
                 return
         super()._read_blocks(
             read_spec,
@@ -524,6 +536,7 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
         done_sending, done_recving = super().get_finished()
         for request_id in done_recving:
             self._landings.pop(request_id, None)
+            self._landing_not_started.discard(request_id)
         return done_sending, done_recving
 
 
