@@ -323,6 +323,28 @@ def test_with_room_on_the_device_nixl_reads_every_page_there_as_upstream(model):
     assert [len(group) for group in meta.reqs_to_recv["imported"].local_block_ids] == [pages] * h.num_groups
 
 
+def start_import(h: SchedulerHarness, tokens: list[int], max_tokens: int):
+    """`tokens` as request "imported", which a prefill instance computed: the step that
+    starts its read, in which it waits."""
+    h.add_request(
+        tokens, max_tokens=max_tokens, request_id="imported",
+        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
+    )  # fmt: skip
+    output = h.schedule()
+    assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
+    return output
+
+
+def report_failed_read(h: SchedulerHarness, output, invalid: set[int]) -> None:
+    """The read's step is processed; the next step's output reports the read done, failed,
+    naming `invalid`."""
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+    failing = h.schedule()
+    report = h.model_runner_output(failing)
+    report.kv_connector_output = KVConnectorOutput(finished_recving={"imported"}, invalid_block_ids=invalid)
+    h.scheduler.update_from_output(failing, report)
+
+
 def failed_read(meta, request_id: str, every_group: bool) -> set[int]:
     """The blocks a failed NIXL read names: the request's blocks of the first KV cache group,
     as upstream's worker names them, or of every group, as HostLandingNixlWorker does."""
@@ -353,22 +375,11 @@ def test_a_failed_nixl_read_is_recomputed_and_its_landed_pages_never_read(
     if lands_on_host:
         busy(h)
     tokens = prompt(1, 400 if lands_on_host else 200)
-    h.add_request(
-        tokens, max_tokens=8, request_id="imported",
-        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
-    )  # fmt: skip
-    output = h.schedule()
-    assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
+    output = start_import(h, tokens, max_tokens=8)
     meta = output.kv_connector_metadata
     landing = dict(meta.host_landing.get("imported", {}))
     assert bool(landing) == lands_on_host
-    invalid = failed_read(meta, "imported", every_group)
-    h.scheduler.update_from_output(output, h.model_runner_output(output))
-
-    failing = h.schedule()
-    report = h.model_runner_output(failing)
-    report.kv_connector_output = KVConnectorOutput(finished_recving={"imported"}, invalid_block_ids=invalid)
-    h.scheduler.update_from_output(failing, report)
+    report_failed_read(h, output, failed_read(meta, "imported", every_group))
     request = h.requests["imported"]
     loaded = (len(tokens) - 1) // BLOCK * BLOCK
     if policy == "fail":
@@ -413,18 +424,9 @@ def test_a_failed_read_past_a_local_hit_goes_back_to_the_hit_on_either_layout(mo
     h.add_request([*local, *prompt(2, 30)], max_tokens=1, request_id="local")
     h.run_until_done()
     tokens = [*local, *prompt(3, 1200 - len(local))]
-    h.add_request(
-        tokens, max_tokens=4, request_id="imported",
-        extra_args={"kv_transfer_params": remote_prefill(len(tokens), h.num_groups)},
-    )  # fmt: skip
-    output = h.schedule()
-    assert "imported" not in output.num_scheduled_tokens, "the request waits for its read"
+    output = start_import(h, tokens, max_tokens=4)
     invalid = failed_read(output.kv_connector_metadata, "imported", every_group=True)
-    h.scheduler.update_from_output(output, h.model_runner_output(output))
-    failing = h.schedule()
-    report = h.model_runner_output(failing)
-    report.kv_connector_output = KVConnectorOutput(finished_recving={"imported"}, invalid_block_ids=invalid)
-    h.scheduler.update_from_output(failing, report)
+    report_failed_read(h, output, invalid)
     request = h.requests["imported"]
     if policy == "fail":
         assert request.status == RequestStatus.FINISHED_ERROR
