@@ -62,7 +62,12 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def consumer(
-    model: str, storage, hisparse: bool, role: str = "kv_consumer", **transfer_args
+    model: str,
+    storage,
+    hisparse: bool,
+    role: str = "kv_consumer",
+    engine_args: dict | None = None,
+    **transfer_args,
 ) -> SchedulerHarness:
     """A decode instance's scheduler over 6 MiB of KV cache: twelve pages either way."""
     transfer = KVTransferConfig(
@@ -71,7 +76,7 @@ def consumer(
     )  # fmt: skip
     h = SchedulerHarness.create(
         model=model, memory_bytes=KV_CACHE_BYTES, attention_config=HISPARSE if hisparse else None,
-        max_model_len=640, max_num_batched_tokens=1024, kv_transfer_config=transfer,
+        max_model_len=640, max_num_batched_tokens=1024, kv_transfer_config=transfer, **(engine_args or {}),
     )  # fmt: skip
     assert h.kv_cache_config.num_blocks == (12 * PAGE_BLOCKS + 1 if hisparse else 12)
     return h
@@ -478,8 +483,14 @@ def test_a_request_sharing_an_unconfirmed_loads_blocks_does_not_copy_them_either
     step with the same prefix shares them through its device prefix hit. Its copies of
     those pages ran after the forward, and a failed load's pages were published through
     them, never written. Pages whose blocks an unconfirmed load fills wait for the load's
-    output in whichever request holds them."""
-    h = consumer(model, tmp_path, hisparse=True, kv_load_failure_policy=policy)
+    output in whichever request holds them; a failed load's, as long as a request holds
+    them: with "recompute" upstream lets one request recompute a shared failed block and
+    the others count it computed meanwhile, and the recompute may take several steps
+    (here chunks of 64 tokens), during which a copy would still read it unwritten."""
+    h = consumer(
+        model, tmp_path, hisparse=True, kv_load_failure_policy=policy,
+        engine_args={"long_prefill_token_threshold": 64},
+    )  # fmt: skip
     tokens = prompt(1, 200)
     prefix = store(h, tokens)
     h.add_request(tokens, max_tokens=8, request_id="imported")
@@ -492,7 +503,14 @@ def test_a_request_sharing_an_unconfirmed_loads_blocks_does_not_copy_them_either
     report = h.model_runner_output(output)
     report.kv_connector_output = KVConnectorOutput(invalid_block_ids=loaded)
     h.scheduler.update_from_output(output, report)
-    h.run_until_done()
+    recomputing = h.requests["imported"]
+    while h.busy():
+        h.step()
+        for copy in h.observations[-1].hisparse_plan.copies:
+            if set(copy.block_ids) & loaded and not recomputing.is_finished():
+                assert recomputing.num_computed_tokens >= (copy.page_index + 1) * BLOCK, (
+                    f"{copy.request_id}'s page {copy.page_index} copied before the recompute wrote it"
+                )
     pool = h.hisparse.residency.host_pool
     hashes = h.requests["imported"].block_hashes
     published = [i for i in range(prefix // BLOCK) if pool.lookup(hashes[i]) is not None]

@@ -329,6 +329,11 @@ class KVCacheBlockAccess:
         ]
         return list(zip(*columns, strict=True))  # type: ignore[arg-type]
 
+    def first_group_blocks(self, request_id: str, start: int, end: int | None) -> list[KVCacheBlock]:
+        """The request's pages [start, end) in the first sparse-MLA group's table (to its end
+        with None; none where it has no table)."""
+        return self._mla[0].req_to_blocks.get(request_id, [])[start:end]
+
     def page_columns(self, request_id: str, start: int) -> list[list[KVCacheBlock]]:
         """The request's sparse-MLA table entries from page `start` on, one list per group:
         `page_block_ids(request_id, start + i)` is every column's block i."""

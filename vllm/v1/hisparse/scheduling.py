@@ -154,13 +154,15 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         # Tokens a KV connector loads in the step that schedules the request (a load during
         # the forward), this step's: request -> tokens; and the loads not yet confirmed by
-        # their step's output: request -> the step's plan.
+        # their step's output: request -> (the step's plan, the loaded pages' blocks).
         self._loads_this_step: dict[str, int] = {}
-        self._unconfirmed_loads: dict[str, int] = {}
+        self._unconfirmed_loads: dict[str, tuple[int, list[int]]] = {}
         # Their pages' blocks (the first sparse-MLA group's), by the step that loads them:
         # upstream caches a load's blocks when it allocates them, so another request's prefix
         # hit can share them before the load is confirmed.
         self._unconfirmed_blocks: dict[int, int] = {}
+        # The blocks of loads that failed, while a request holds them (`_confirm_loads`).
+        self._failed_load_blocks: set[int] = set()
         # Pages of such a load that landed in the host pool, published once it is confirmed:
         # request -> runs of (first page, host pages).
         self._unpublished_imports: dict[str, list[tuple[int, list[HostPage]]]] = {}
@@ -486,8 +488,9 @@ class HiSparseScheduling:
     def release(self, request: Request) -> None:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
-        self._unconfirmed_loads.pop(request.request_id, None)
         self._unpublished_imports.pop(request.request_id, None)
+        if self._failed_load_blocks:
+            self._forget_failed_load_blocks(request.request_id)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
@@ -587,6 +590,8 @@ class HiSparseScheduling:
         step = next(self._steps)
         if self._loads_this_step:
             self._note_loads(scheduler, scheduler_output, step)
+        if self._failed_load_blocks:
+            self._forget_rewritten_blocks(scheduler, scheduler_output)
         for request_id in scheduler_output.num_scheduled_tokens:
             if request_id not in self._failed:
                 self._sync_request(scheduler.requests[request_id])
@@ -663,11 +668,14 @@ class HiSparseScheduling:
             if request_id in scheduled:  # its computed tokens count the step's tokens now
                 computed = scheduler.requests[request_id].num_computed_tokens - scheduled[request_id]
                 first, end = (computed - num_loaded) // page, -(-computed // page)
-                self._unconfirmed_loads[request_id] = step
                 null = self.blocks.null_block_id
-                for block in self.blocks.page_columns(request_id, first)[0][: end - first]:
-                    if block.block_id != null:  # a page landing in the host pool has none
-                        self._unconfirmed_blocks[block.block_id] = step
+                blocks = [  # a page landing in the host pool has none
+                    b.block_id
+                    for b in self.blocks.first_group_blocks(request_id, first, end)
+                    if b.block_id != null
+                ]
+                self._unconfirmed_loads[request_id] = (step, blocks)
+                self._unconfirmed_blocks.update(dict.fromkeys(blocks, step))
 
     def _confirm_loads(self, step: int, output: ModelRunnerOutput) -> None:
         """The loads that ran in the forward of step `step` are done: their pages may be
@@ -676,14 +684,26 @@ class HiSparseScheduling:
         invalid ones) is left to upstream's scan, which follows `kv_load_failure_policy`
         on the pages in the table; one with pages landed in the host pool ends its request
         with an error instead: those pages are placeholders in its table, which a
-        recompute could not write, and their host pages were never filled."""
+        recompute could not write, and their host pages were never filled.
+
+        A failed load's blocks stay held back while a request holds them: upstream lets
+        only one request recompute a shared failed block, and the others count it computed
+        meanwhile, so a copy of theirs could still read it unwritten
+        (`_forget_failed_load_blocks`)."""
         transfer = getattr(output, "kv_connector_output", None)
         invalid = getattr(transfer, "invalid_block_ids", None) or set()
         self._unconfirmed_blocks = {b: s for b, s in self._unconfirmed_blocks.items() if s != step}
-        for request_id in [r for r, s in self._unconfirmed_loads.items() if s == step]:
-            del self._unconfirmed_loads[request_id]
+        for request_id in [r for r, (s, _) in self._unconfirmed_loads.items() if s == step]:
+            _, blocks = self._unconfirmed_loads.pop(request_id)
             imports = self._unpublished_imports.pop(request_id, [])
-            if invalid and any(block in invalid for block in self.blocks.pages_named(request_id, invalid)):
+            if invalid and (
+                not invalid.isdisjoint(blocks)
+                or (
+                    request_id in self.residency.requests
+                    and any(block in invalid for block in self.blocks.pages_named(request_id, invalid))
+                )
+            ):
+                self._failed_load_blocks.update(blocks)
                 if imports:
                     self._fail(request_id, "its KV connector's load into the host pool failed")
                 continue
@@ -837,7 +857,7 @@ class HiSparseScheduling:
             self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
-        if self._unconfirmed_blocks:
+        if self._unconfirmed_blocks or self._failed_load_blocks:
             stable = min(stable, self._before_unconfirmed_pages(request_id, req.num_complete_pages, stable))
         if self.enable_caching:
             self.blocks.cache_pages(request, stable)
@@ -846,15 +866,33 @@ class HiSparseScheduling:
 
     def _before_unconfirmed_pages(self, request_id: str, first: int, num_tokens: int) -> int:
         """`num_tokens`, or fewer: up to the first of the request's pages from page `first` on
-        whose blocks a load not yet confirmed fills (`_note_loads`)."""
-        unconfirmed = self._unconfirmed_blocks
+        whose blocks a load not yet confirmed fills (`_note_loads`), or a failed load
+        left unwritten (`_confirm_loads`)."""
+        unconfirmed, failed = self._unconfirmed_blocks, self._failed_load_blocks
         end = -(-num_tokens // self.block_size)
-        for index, block in enumerate(
-            self.blocks.page_columns(request_id, first)[0][: max(end - first, 0)], first
-        ):
-            if block.block_id in unconfirmed:
+        for index, block in enumerate(self.blocks.first_group_blocks(request_id, first, end), first):
+            if block.block_id in unconfirmed or block.block_id in failed:
                 return index * self.block_size
         return num_tokens
+
+    def _forget_rewritten_blocks(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
+        """Failed loads' blocks this step's forward writes to their page's end leave the
+        set: the request recomputing them has written them whole by then (it recomputes
+        from the failed page on, page by page), and a copy planned now runs after it."""
+        page, failed = self.block_size, self._failed_load_blocks
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            end = scheduler.requests[request_id].num_computed_tokens  # this step's tokens counted
+            first = (end - num_tokens) // page
+            for block in self.blocks.first_group_blocks(request_id, first, end // page):
+                failed.discard(block.block_id)
+
+    def _forget_failed_load_blocks(self, request_id: str) -> None:
+        """The request ends: the failed loads' blocks only it holds leave the set (they go
+        back to the pool, and a later allocation of them is written afresh)."""
+        failed = self._failed_load_blocks
+        for block in self.blocks.first_group_blocks(request_id, 0, None):
+            if block.block_id in failed and block.ref_cnt <= 1:
+                failed.discard(block.block_id)
 
     def _register_pages(self, request_id: str, record: PendingAdmission) -> None:
         """The request's new table pages, registered with residency; the admission's host
