@@ -519,6 +519,35 @@ def test_a_request_sharing_an_unconfirmed_loads_blocks_does_not_copy_them_either
     assert pool.num_referenced == 0 and h.num_free_blocks() == h.kv_cache_config.num_blocks - 1
 
 
+def test_a_failed_loads_pages_leave_the_prefix_cache_from_the_first_failed_one(model, tmp_path):
+    """With "recompute" upstream leaves a failed load's blocks in the prefix cache for the
+    request that recomputes them; aborted before it does, they stayed cached unwritten, and
+    the next request of the prompt took them as its hit (and could copy them to the host
+    pool). HiSparse takes the failed pages' blocks out of the prefix cache in every group,
+    from the first failed page on: the pages before it were loaded and stay cached."""
+    h = consumer(model, tmp_path, hisparse=True, kv_load_failure_policy="recompute")
+    tokens = prompt(1, 200)
+    prefix = store(h, tokens)
+    assert prefix == 3 * BLOCK
+    h.add_request(tokens, max_tokens=8, request_id="imported")
+    output = h.schedule()
+    assert output.num_scheduled_tokens["imported"] == len(tokens) - prefix, "loaded in this forward"
+    table = h.block_ids("imported")
+    page = {i: {group[i] for group in table} for i in range(3)}
+    report = h.model_runner_output(output)
+    report.kv_connector_output = KVConnectorOutput(invalid_block_ids=page[2])
+    h.scheduler.update_from_output(output, report)
+    assert h.requests["imported"].num_computed_tokens == 2 * BLOCK, "it recomputes from page 2"
+    blocks = h.block_pool.blocks
+    assert all(blocks[b].block_hash is None for b in page[2]), "the failed page left the prefix cache"
+    assert all(blocks[b].block_hash is not None for b in page[0] | page[1]), "the loaded pages stay"
+    h.abort(["imported"])  # before it recomputed page 2
+    h.run_until_done()
+    pool = h.hisparse.residency.host_pool
+    assert pool.lookup(h.requests["imported"].block_hashes[2]) is None, "page 2 never reached the host pool"
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1 and pool.num_referenced == 0
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["load-done", "load-fails"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_pages_a_load_fills_during_the_forward_are_copied_only_once_the_load_is_confirmed(

@@ -334,6 +334,21 @@ class KVCacheBlockAccess:
         with None; none where it has no table)."""
         return self._mla[0].req_to_blocks.get(request_id, [])[start:end]
 
+    def page_block_sets(self, request_id: str, start: int, end: int) -> list[tuple[int, frozenset[int]]]:
+        """The request's pages [start, end): each page's block in the first sparse-MLA group
+        and its blocks in every group (a resident block of m pages counts for each)."""
+        page = self._mla[0].block_size
+        first = self._mla[0].req_to_blocks.get(request_id, [])[start:end]
+        found: list[set[int]] = [set() for _ in first]
+        for manager in self._groups:
+            per_block = manager.block_size // page
+            table = manager.req_to_blocks.get(request_id, [])
+            for i in range(len(first)):
+                index = (start + i) // per_block
+                if index < len(table):
+                    found[i].add(table[index].block_id)
+        return [(block.block_id, frozenset(blocks)) for block, blocks in zip(first, found, strict=True)]
+
     def page_columns(self, request_id: str, start: int) -> list[list[KVCacheBlock]]:
         """The request's sparse-MLA table entries from page `start` on, one list per group:
         `page_block_ids(request_id, start + i)` is every column's block i."""

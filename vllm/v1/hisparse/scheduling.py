@@ -154,14 +154,16 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         # Tokens a KV connector loads in the step that schedules the request (a load during
         # the forward), this step's: request -> tokens; and the loads not yet confirmed by
-        # their step's output: request -> (the step's plan, the loaded pages' blocks).
+        # their step's output: request -> (the step's plan, each loaded page's block of the
+        # first sparse-MLA group and its blocks of every group).
         self._loads_this_step: dict[str, int] = {}
-        self._unconfirmed_loads: dict[str, tuple[int, list[int]]] = {}
+        self._unconfirmed_loads: dict[str, tuple[int, list[tuple[int, frozenset[int]]]]] = {}
         # Their pages' blocks (the first sparse-MLA group's), by the step that loads them:
         # upstream caches a load's blocks when it allocates them, so another request's prefix
         # hit can share them before the load is confirmed.
         self._unconfirmed_blocks: dict[int, int] = {}
-        # The blocks of loads that failed, while a request holds them (`_confirm_loads`).
+        # The blocks of loads that failed (the first sparse-MLA group's), until they are
+        # written again or go back to the pool (`_confirm_loads`).
         self._failed_load_blocks: set[int] = set()
         # Pages of such a load that landed in the host pool, published once it is confirmed:
         # request -> runs of (first page, host pages).
@@ -489,8 +491,6 @@ class HiSparseScheduling:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
         self._unpublished_imports.pop(request.request_id, None)
-        if self._failed_load_blocks:
-            self._forget_failed_load_blocks(request.request_id)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
@@ -592,6 +592,8 @@ class HiSparseScheduling:
             self._note_loads(scheduler, scheduler_output, step)
         if self._failed_load_blocks:
             self._forget_rewritten_blocks(scheduler, scheduler_output)
+            pool = self.kv_cache_manager.block_pool.blocks  # a free one's next owner writes it
+            self._failed_load_blocks = {b for b in self._failed_load_blocks if pool[b].ref_cnt > 0}
         for request_id in scheduler_output.num_scheduled_tokens:
             if request_id not in self._failed:
                 self._sync_request(scheduler.requests[request_id])
@@ -611,6 +613,8 @@ class HiSparseScheduling:
                 self.speculative_steps_with_host_pages += 1
         updates, self.blocks.updates = self.blocks.updates, []
         restores, self._restores = self._own_restores(self._restores), []
+        if self._failed_load_blocks and restores:  # a restore fills its page whole
+            self._failed_load_blocks.difference_update(r.block_ids[0] for r in restores)
         new_host_pages, new_leases = self.residency.drain_changes()
         k = len(self.mla_group_ids)
         staging, held = [], []
@@ -668,14 +672,11 @@ class HiSparseScheduling:
             if request_id in scheduled:  # its computed tokens count the step's tokens now
                 computed = scheduler.requests[request_id].num_computed_tokens - scheduled[request_id]
                 first, end = (computed - num_loaded) // page, -(-computed // page)
+                pages = self.blocks.page_block_sets(request_id, first, end)
+                self._unconfirmed_loads[request_id] = (step, pages)
                 null = self.blocks.null_block_id
-                blocks = [  # a page landing in the host pool has none
-                    b.block_id
-                    for b in self.blocks.first_group_blocks(request_id, first, end)
-                    if b.block_id != null
-                ]
-                self._unconfirmed_loads[request_id] = (step, blocks)
-                self._unconfirmed_blocks.update(dict.fromkeys(blocks, step))
+                # A page landing in the host pool has no block in the first group.
+                self._unconfirmed_blocks.update((b, step) for b, _ in pages if b != null)
 
     def _confirm_loads(self, step: int, output: ModelRunnerOutput) -> None:
         """The loads that ran in the forward of step `step` are done: their pages may be
@@ -686,29 +687,32 @@ class HiSparseScheduling:
         with an error instead: those pages are placeholders in its table, which a
         recompute could not write, and their host pages were never filled.
 
-        A failed load's blocks stay held back while a request holds them: upstream lets
-        only one request recompute a shared failed block, and the others count it computed
-        meanwhile, so a copy of theirs could still read it unwritten
-        (`_forget_failed_load_blocks`)."""
+        A failed load's pages, from its first failed one on, leave the prefix cache in every
+        group (with "recompute" upstream leaves them cached, and a later request's hit
+        would read them unwritten, or copy them to the host pool), and their blocks stay
+        held back from copies and demotion until a forward writes them to their page's end
+        (`_forget_rewritten_blocks`), a restore fills them, or they go back to the pool:
+        upstream lets one request recompute a shared failed block while the others count
+        it computed, and the recompute may take several steps."""
         transfer = getattr(output, "kv_connector_output", None)
         invalid = getattr(transfer, "invalid_block_ids", None) or set()
         self._unconfirmed_blocks = {b: s for b, s in self._unconfirmed_blocks.items() if s != step}
+        null = self.blocks.null_block_id
         for request_id in [r for r, (s, _) in self._unconfirmed_loads.items() if s == step]:
-            _, blocks = self._unconfirmed_loads.pop(request_id)
+            _, pages = self._unconfirmed_loads.pop(request_id)
             imports = self._unpublished_imports.pop(request_id, [])
-            if invalid and (
-                not invalid.isdisjoint(blocks)
-                or (
-                    request_id in self.residency.requests
-                    and any(block in invalid for block in self.blocks.pages_named(request_id, invalid))
-                )
-            ):
-                self._failed_load_blocks.update(blocks)
+            failed_at = next(
+                (i for i, (_, blocks) in enumerate(pages) if not invalid.isdisjoint(blocks)), None
+            )
+            if failed_at is not None:
+                failed = pages[failed_at:]
+                self._failed_load_blocks.update(b for b, _ in failed if b != null)
+                self.kv_cache_manager.evict_blocks({b for _, blocks in failed for b in blocks} - {null})
                 if imports:
                     self._fail(request_id, "its KV connector's load into the host pool failed")
                 continue
-            for start, pages in imports:
-                self.residency.publish_imported(request_id, start, pages)
+            for start, host_pages in imports:
+                self.residency.publish_imported(request_id, start, host_pages)
 
     def _own_restores(self, restores: list[PageRestore]) -> list[PageRestore]:
         """The step's restores whose page in their request's block table still holds the
@@ -884,14 +888,6 @@ class HiSparseScheduling:
             end = scheduler.requests[request_id].num_computed_tokens  # this step's tokens counted
             first = (end - num_tokens) // page
             for block in self.blocks.first_group_blocks(request_id, first, end // page):
-                failed.discard(block.block_id)
-
-    def _forget_failed_load_blocks(self, request_id: str) -> None:
-        """The request ends: the failed loads' blocks only it holds leave the set (they go
-        back to the pool, and a later allocation of them is written afresh)."""
-        failed = self._failed_load_blocks
-        for block in self.blocks.first_group_blocks(request_id, 0, None):
-            if block.block_id in failed and block.ref_cnt <= 1:
                 failed.discard(block.block_id)
 
     def _register_pages(self, request_id: str, record: PendingAdmission) -> None:
