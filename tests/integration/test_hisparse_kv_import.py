@@ -313,6 +313,29 @@ def test_under_pressure_nixl_reads_the_landed_pages_into_the_host_pages_hisparse
     assert all(req.num_output_tokens == req.max_tokens for req in h.requests.values())
 
 
+@pytest.mark.parametrize("dcp_size", [1, 2])
+def test_an_import_from_a_peer_with_decode_context_parallelism_lands_on_the_device(model, dcp_size):
+    """The same import under pressure, from a prefill instance with decode context
+    parallelism (each rank holds an interleaved slice of the tokens, read rank by rank):
+    its pages cannot land in the host pool, read whole from one rank, and the worker
+    refuses such a read. So it lands on the device, as upstream's: it waits for room, and
+    is then read and served. From a peer without it, the import lands in the host pool."""
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer")
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=KV_CACHE_BYTES, attention_config=HISPARSE, max_model_len=640,
+        max_num_batched_tokens=1024, kv_transfer_config=transfer, nixl_read_fails=lambda: False,
+    )  # fmt: skip
+    busy(h)
+    tokens = prompt(1, 400)
+    params = {**remote_prefill(len(tokens), h.num_groups), "dcp_size": dcp_size}
+    h.add_request(tokens, max_tokens=8, request_id="imported", extra_args={"kv_transfer_params": params})
+    h.run_until_done()
+    assert h.nixl_counts["reads"] == 1
+    assert h.nixl_counts["reads_landing_on_host"] == (dcp_size == 1)
+    assert (h.hisparse.stats()["pages_imported_to_host"] > 0) == (dcp_size == 1)
+    assert all(r.num_output_tokens == r.max_tokens for r in h.requests.values())
+
+
 def test_with_room_on_the_device_nixl_reads_every_page_there_as_upstream(model):
     h = nixl_instance(model, "kv_consumer")
     tokens = prompt(1, 200)

@@ -144,6 +144,9 @@ class Admissions:
         self.lookahead_tokens = lookahead_tokens
         # The blocks running requests may write from this step on.
         self._written = written
+        # Whether a landing connector can land this request's import in the host pool (set
+        # from the connector's `may_land_import`, where it has one).
+        self.may_land: Callable[[Request], bool] = lambda request: True
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
         # The host copies that waiting turns' walks found past the first page they had no
@@ -860,7 +863,7 @@ class Admissions:
         walk found no room for is not asked for again). No allocation here
         can evict a page another pending admission will read: those are retained.
         """
-        if not self._plans_issued() or num_local_tokens % self.block_size:
+        if not self._plans_issued() or num_local_tokens % self.block_size or not self.may_land(request):
             return new_computed_blocks, num_external_tokens
         end = min(num_local_tokens + num_external_tokens, request.num_tokens - 1) // self.block_size
         positions = [PageIndex(p) for p in range(num_local_tokens // self.block_size, end)]

@@ -215,6 +215,9 @@ class HiSparseScheduling:
         fence_block_pool_takes(scheduler.connector, self.kv_cache_manager.block_pool)
         if self.import_kind is ImportKind.LANDS_ON_HOST:
             setattr(scheduler.connector, "host_landing", self.admissions.host_landing)  # noqa: B010
+            may_land = getattr(scheduler.connector, "may_land_import", None)
+            if may_land is not None:
+                self.admissions.may_land = may_land
         elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
             logger.info(
                 "Hybrid HiSparse: %s loads imports into device blocks, as upstream; a connector "

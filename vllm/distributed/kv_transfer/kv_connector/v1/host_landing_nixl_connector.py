@@ -560,3 +560,11 @@ class HostLandingNixlConnector(NixlPullConnector):
     def host_landing(self, landing: HostLanding | None) -> None:
         if isinstance(self.connector_scheduler, HostLandingNixlScheduler):
             self.connector_scheduler.host_landing = landing
+
+    def may_land_import(self, request: Request) -> bool:
+        """Whether the request's import may land in the host pool: not from a peer with
+        decode context parallelism, whose ranks hold interleaved slices of the tokens, read
+        rank by rank, while the landed pages are read whole from one rank (the worker
+        refuses such a read, `HostLandingNixlWorker._read_blocks_for_req`); such an import
+        lands on the device, as upstream's."""
+        return int((request.kv_transfer_params or {}).get("dcp_size") or 1) <= 1
