@@ -116,13 +116,16 @@ def run_sessions(
             store(h, tokens)
     turns_left = [3] * len(sessions)
     live: dict[int, str] = {}  # session -> its request in flight
-    seen = {"aborted": 0, "preempted": 0}
+    seen = {"aborted": 0, "preempted": 0, "imports": 0}
     for _ in range(max_steps):
         for s, tokens in enumerate(sessions):
             if s not in live and turns_left[s] and rng.random() < 0.3:
                 turns_left[s] -= 1
                 priority = {"priority": rng.randint(0, 3)} if priorities else {}
                 transfer = pd_params(h, rng, len(tokens)) if connector == "nixl" else {}
+                seen["imports"] += bool(
+                    transfer.get("extra_args", {}).get("kv_transfer_params", {}).get("do_remote_prefill")
+                )
                 request = h.add_request(tokens, max_tokens=rng.randint(4, 60), **priority, **transfer)
                 live[s] = request.request_id
         if live and rng.random() < 0.02:
@@ -288,8 +291,8 @@ def run_stress(
     # fill a 14 MiB pool: seed 2841 without a drafter, eight seeds with one.)
     assert stats["pages_copied_to_host"] > 0 or (not proactive and memory_mib >= 14), stats
     assert stats["pages_demoted"] + seen["preempted"] > 0 or memory_mib >= 10, (stats, seen)
-    if connector == "nixl":  # turns were read from a prefill peer (some failing, below)
-        assert h.nixl_counts["reads"] > 0, h.nixl_counts
+    if connector == "nixl" and seen["imports"]:  # turns were read from a prefill peer (some failing)
+        assert h.nixl_counts["reads"] > 0, (h.nixl_counts, seen)
     if drafter:  # the drafter's tokens were verified, and some accepted
         assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted
 
