@@ -40,6 +40,7 @@ from scheduler_harness import (
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import COMPLETE_MARKER
 from vllm.v1.hisparse.ownership import OwnershipError
+from vllm.v1.request import RequestStatus
 
 BLOCK = 64
 MLA_GROUPS = 6
@@ -294,7 +295,6 @@ def test_a_request_whose_pages_cannot_be_registered_fails_alone(model, monkeypat
     """An injected bookkeeping fault in one request's registration: that request ends with
     an error and returns everything it held; the others finish, and ownership holds."""
     from vllm.v1.hisparse.residency import ResidencyManager
-    from vllm.v1.request import RequestStatus
 
     append_pages = ResidencyManager.append_pages
 
@@ -752,3 +752,111 @@ def test_a_block_an_offloading_store_still_reads_is_fenced_whoever_takes_it_next
         h.add_request(prompt(2 + y, 300), max_tokens=4, request_id=f"Y{y}")
     h.run_until_done()
     assert reused, "the pool gave out blocks whose stores were still pending (the case under test)"
+
+
+# ------------------------------------------- host copies name the whole prefix of their page
+
+
+def test_a_host_copy_is_found_only_by_its_pages_whole_prefix_with_a_finer_hash_block(model):
+    """With `--prefix-match-unit 16` vLLM hashes every 16 tokens, four hashes a page. A's
+    pages are copied to the host pool; B shares only A's first 48 tokens. B's pages must
+    not be backed by A's copies (the first 16-token hash of page i names only tokens
+    [0, 16 (i + 1)), which B shares up to page 2), and once demoted B reads only its own
+    KV. C repeats A's prompt and is served A's copies: the key still works."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=512, prefix_match_unit=16,
+    )  # fmt: skip
+    assert (h.block_size, h.hash_block_size) == (BLOCK, 16)
+    residency = h.hisparse.residency
+    common = prompt(1, 48)
+    a = h.add_request(common + prompt(2, 300), max_tokens=1, request_id="A")
+    h.run_until_done()
+    a_copies = {residency.host_pool.lookup(a.block_hashes[4 * i + 3]) for i in range(5)} - {None}
+    assert len(a_copies) == 5, "A's complete pages are in the host pool"
+    h.add_request(common + prompt(3, 300), max_tokens=30, request_id="B")
+    b_pages: set[int] = set()
+    for _ in range(12):
+        h.step()
+        req = residency.requests.get("B")
+        if req is not None:
+            b_pages.update(p for p in req.pages.host_page if p is not None)
+    assert residency.counters.copies_avoided == 0
+    assert b_pages and not b_pages & a_copies, "B's pages are backed by copies of A's KV"
+    h.run_until_done()
+    h.add_request(common + prompt(2, 300), max_tokens=30, request_id="C")
+    for _ in range(4):
+        h.step()
+    assert residency.counters.copies_avoided > 0, "A's copies serve A's prompt"
+
+
+def test_resetting_the_prefix_cache_forgets_the_host_pools_copies(model):
+    """vLLM resets its prefix cache after a weight update (RLHF's `pause_generation(
+    clear_cache=True)`, the `/reset_prefix_cache` endpoint). The host pool kept its
+    copies indexed, so the same prompt afterwards, computed with the new weights, was made
+    BOTH with copies of the old KV and read them once demoted."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024, max_num_batched_tokens=512
+    )
+    residency = h.hisparse.residency
+    tokens = prompt(1, 330)
+    a = h.add_request(tokens, max_tokens=1, request_id="A")
+    h.run_until_done()
+    old = {residency.host_pool.lookup(a.block_hashes[i]) for i in range(5)}
+    assert None not in old, "A's pages were copied to the host pool"
+    assert h.scheduler.reset_prefix_cache()
+    assert all(residency.host_pool.lookup(x) is None for x in a.block_hashes)
+    h.add_request(tokens, max_tokens=30, request_id="B")
+    for _ in range(6):
+        h.step()
+    assert residency.counters.copies_avoided == 0, "B's pages were made BOTH with copies of the old KV"
+    b_pages = residency.requests["B"].pages.host_page[:5]
+    assert None not in b_pages, "B's own pages are copied"
+    residency.host_pool.check()
+    h.run_until_done()
+
+
+@pytest.mark.parametrize("report_delay", [0, 2])
+def test_what_a_request_wrote_before_it_failed_on_the_workers_is_neither_cached_nor_published(
+    model, report_delay
+):
+    """A worker reports that R's attention read wrong rows in a step (its resolver's error
+    bits): the KV R wrote from then on is wrong past the first layer that did. R ended
+    with an error, but the page that step completed was still copied and published in the
+    host pool, and its blocks stayed in the prefix cache: the next request of the prompt
+    took them as its hit. Now R's pages from its first own step on leave both (which
+    step failed is not known when reports come late), and the pages of its prefix hit
+    stay."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=128, report_delay=report_delay,
+    )  # fmt: skip
+    shared = prompt(1, 2 * BLOCK)
+    h.add_request(shared, max_tokens=1, request_id="S")
+    h.run_until_done()
+    tokens = shared + prompt(2, 202)
+    make_output = h.model_runner_output
+    failed_in: list[int] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        r_tokens = scheduler_output.num_scheduled_tokens.get("R", 0)
+        if r_tokens and h.requests["R"].num_computed_tokens > 4 * BLOCK:
+            out.hisparse_failed = {"R": "its selections were not in the host pool"}
+            failed_in.append(h.requests["R"].num_computed_tokens)
+        return out
+
+    h.model_runner_output = output
+    r = h.add_request(tokens, max_tokens=5, request_id="R")
+    h.run_until_done()
+    assert failed_in and r.status == RequestStatus.FINISHED_ERROR
+    pool = h.hisparse.residency.host_pool
+    assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1], (
+        "only the pages of R's prefix hit stay published"
+    )
+    h.model_runner_output = make_output
+    h.add_request(tokens, max_tokens=2, request_id="B")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["B"] == 2 * BLOCK, "B's hit is S's pages alone"
+    h.run_until_done()
+    assert h.hisparse.pages_withdrawn > 0

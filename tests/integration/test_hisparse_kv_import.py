@@ -609,6 +609,42 @@ def test_pages_a_load_fills_during_the_forward_are_copied_only_once_the_load_is_
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1 and pool.num_referenced == 0
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("lands", ["device", "host"])
+def test_a_page_computed_past_a_failed_load_is_neither_cached_nor_copied(model, tmp_path, policy, lands):
+    """A 448-token prompt whose 384-token prefix is stored: the step loads pages 0-5 and
+    computes page 6 whole, attending over them. Under pressure the loaded pages land in
+    the host pool, where a page has no device block to hold back, so page 6 was copied in
+    that same step and published when the load failed; on the device it stayed cached
+    (only the load's own pages left the prefix cache). Now page 6 waits for the load like
+    its pages, and when the load fails it leaves the prefix cache and is never copied."""
+    h = consumer(model, tmp_path, hisparse=True, kv_load_failure_policy=policy)
+    if lands == "host":
+        busy(h)
+    tokens = prompt(1, 7 * BLOCK)
+    assert store(h, tokens) == 6 * BLOCK
+    h.add_request(tokens, max_tokens=8, request_id="imported")
+    output = h.schedule()
+    assert output.num_scheduled_tokens["imported"] == BLOCK, "page 6 is computed in the load's step"
+    landed = [p.block_ids is None for p in h.hisparse.residency.requests["imported"].pages][:6]
+    assert landed == [lands == "host"] * 6
+    assert not [c for c in output.hisparse_plan.copies if c.request_id == "imported"]
+    table = h.block_ids("imported")
+    page6 = {group[6] for group in table}
+    report = h.model_runner_output(output)
+    report.kv_connector_output = KVConnectorOutput(
+        invalid_block_ids={b for group in table for b in group[2:6]} - {NULL_BLOCK_ID}
+    )
+    h.scheduler.update_from_output(output, report)
+    assert all(h.block_pool.blocks[b].block_hash is None for b in page6), "page 6 left the prefix cache"
+    h.abort(["imported"])  # before a recompute wrote page 6 again
+    h.run_until_done()
+    pool = h.hisparse.residency.host_pool
+    hashes = h.requests["imported"].block_hashes
+    assert all(pool.lookup(hashes[i]) is None for i in range(2, 7)), "nothing past page 1 is published"
+    assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1 and pool.num_referenced == 0
+
+
 def finished_producer_request(h: SchedulerHarness, request_id: str):
     """A prompt a producer computed for remote decode, finished after its one token."""
     request = h.add_request(

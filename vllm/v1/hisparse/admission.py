@@ -215,6 +215,11 @@ class Admissions:
             self.release(request_id)
         self._copies_last_step, self._copies_this_step = self._copies_this_step, {}
 
+    def forget_lookups(self) -> None:
+        """The host pool forgot its copies (`HostPagePool.forget_all`): no lookup of an
+        earlier step stands (their keys count the pool's evictions too)."""
+        self._copies_last_step, self._copies_this_step = {}, {}
+
     def _release_host_pages(self, pages: dict[PageIndex, HostPage]) -> None:
         for page in pages.values():
             self.host_pool.release(page)

@@ -161,6 +161,27 @@ class HostPagePool:
         self._by_hash[block_hash] = HostPage(page)
         self._hash_of[page] = block_hash
 
+    def forget(self, page: int, block_hash: Hashable) -> None:
+        """No lookup finds this page under `block_hash` any more (its copy is not to be
+        trusted); a page indexed under another hash, or not at all, is left as it is."""
+        if self._hash_of.get(page) != block_hash:
+            return
+        del self._by_hash[self._hash_of.pop(page)]
+        if page in self._evictable:
+            del self._evictable[page]
+            self._never_used.append(page)
+        self.evictions += 1
+
+    def forget_all(self) -> None:
+        """Forget every copy's block hash (vLLM's prefix cache was reset, as after a weight
+        update): no lookup finds a copy made before. Referenced pages stay with their
+        holders, and cached ones nobody references become free."""
+        self._never_used.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._by_hash.clear()
+        self._hash_of.clear()
+        self.evictions += 1  # a lookup made before no longer holds
+
     def check(self) -> None:
         """Assert the pool's invariants (used by tests and debug builds)."""
         # Every page is free, cached or referenced, and only one of them: the three hold

@@ -234,6 +234,10 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Requests ended with an error because HiSparse could not serve them (the engine went on).",
         "requests_failed",
     ),
+    "vllm:hisparse_pages_withdrawn": (
+        "Pages a request failed on the workers had written, taken out of the prefix cache and the host pool.",
+        "pages_withdrawn",
+    ),
     "vllm:hisparse_bytes_to_host": (
         "Bytes copied device -> host: each page once into each node's host pool.",
         "bytes_to_host",

@@ -276,6 +276,8 @@ class RequestResidency:
     hot_blocks: list[BlockId] = field(default_factory=list)
     # Page-level block hashes; may be a live view that grows with the request.
     block_hashes: Sequence[Hashable] = ()
+    # Pages from this one on are never published (their KV is not to be trusted).
+    publish_below: int = 1 << 62
     # Kept as pages change state, so FULL is an O(1) check.
     num_host_pages: int = 0
     num_both_pages: int = 0
@@ -314,7 +316,50 @@ class RequestResidency:
         return max(0, self.num_complete_pages - RESIDENT_TAIL_PAGES)
 
     def page_hash(self, index: int) -> Hashable | None:
+        """The hash a copy of the page is published under; None where it has none yet,
+        or where its KV is not to be published (`ResidencyManager.withdraw`)."""
+        if index >= self.publish_below:
+            return None
         return self.block_hashes[index] if index < len(self.block_hashes) else None
+
+
+class PageHashes(Sequence[Hashable]):
+    """A request's block hashes, one per page, from hashes made every `1 / ratio` of a page
+    (vLLM's `hash_block_size` below the page, `--prefix-match-unit`): a page's is the hash of
+    its last hash block, which, chained, names the whole prefix to the page's end. A live
+    view: it grows with the request's list. (A finer hash alone names only the tokens up
+    to its own end, and a host copy published under it would serve another prefix.)"""
+
+    __slots__ = ("_hashes", "_ratio")
+
+    def __init__(self, hashes: Sequence[Hashable], ratio: int) -> None:
+        self._hashes, self._ratio = hashes, ratio
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._ratio
+
+    @overload
+    def __getitem__(self, index: int) -> Hashable: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Hashable]: ...
+    def __getitem__(self, index: int | slice) -> Hashable | list[Hashable]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(index)
+        return self._hashes[(index + 1) * self._ratio - 1]
+
+
+def page_hashes(hashes: Sequence[Hashable], hash_block_size: int, page_size: int) -> Sequence[Hashable]:
+    """One hash per page of `page_size` tokens from hashes made every `hash_block_size`."""
+    if hash_block_size == page_size:
+        return hashes
+    if page_size % hash_block_size:
+        raise ValueError(f"a page of {page_size} tokens is not whole {hash_block_size}-token hash blocks")
+    return PageHashes(hashes, page_size // hash_block_size)
 
 
 @dataclass
@@ -840,6 +885,29 @@ class ResidencyManager:
             req.copying.pop(copy.page_index, None)
             if copy.page_index < req.num_complete_pages and not page.demote_when_copied:
                 req.uncopied[copy.page_index] = None
+
+    def withdraw(self, request_id: str, first_page: int) -> list[HostPage]:
+        """The request's KV from page `first_page` on is not to be trusted (a step of it
+        failed on the workers): those pages' copies are never published, and those it
+        published already are forgotten. Its host pages from there on, which other
+        requests may have taken as theirs."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        req.publish_below = min(req.publish_below, first_page)
+        found = [p for p in req.pages.host_page[first_page:] if p is not None]
+        for index, page in enumerate(req.pages.host_page[first_page:], first_page):
+            if page is not None and index < len(req.block_hashes):
+                self.host_pool.forget(page, req.block_hashes[index])
+        return found
+
+    def forget_host_copies(self) -> None:
+        """vLLM's prefix cache was reset (after a weight update, say): no copy made before
+        is found again, and none in flight is published when it lands."""
+        self.host_pool.forget_all()
+        self._orphans = dict.fromkeys(self._orphans)
+        for req in self.requests.values():
+            req.publish_below = 0
 
     def cancel_all_copies(self) -> None:
         """Every copy in flight did not happen (the workers do not run plans)."""

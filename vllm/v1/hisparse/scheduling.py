@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.config.hisparse import hisparse_active, host_pool_pages, plans_executable, sparse_mla_page_bytes
 from vllm.logger import init_logger
@@ -56,7 +56,7 @@ from vllm.v1.hisparse.plan import (
     PageRestore,
     StepStaging,
 )
-from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager
+from vllm.v1.hisparse.residency import PageState, RequestState, ResidencyManager, page_hashes
 from vllm.v1.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -86,6 +86,18 @@ def copies_per_step(max_num_batched_tokens: int, block_size: int) -> int:
     prefills a whole token budget (its completed pages, and as many of a backlog), so a
     turn does not end with pages that were never copied."""
     return max(MIN_COPIES_PER_STEP, 2 * -(-max_num_batched_tokens // block_size))
+
+
+class UnconfirmedLoad(NamedTuple):
+    """A KV connector's load during a step's forward, until that step's output confirms it."""
+
+    step: int  # the step's plan
+    first_page: int  # the request's first page the load fills
+    # Each loaded page's block of the first sparse-MLA group (the null block for a page
+    # landing in the host pool) and its blocks of every group.
+    pages: list[tuple[int, frozenset[int]]]
+    # The same of the pages the step computes past the load (they attend over it).
+    after: list[tuple[int, frozenset[int]]]
 
 
 class HiSparseScheduling:
@@ -154,10 +166,12 @@ class HiSparseScheduling:
         self._restores: list[PageRestore] = []
         # Tokens a KV connector loads in the step that schedules the request (a load during
         # the forward), this step's: request -> tokens; and the loads not yet confirmed by
-        # their step's output: request -> (the step's plan, each loaded page's block of the
-        # first sparse-MLA group and its blocks of every group).
+        # their step's output (`UnconfirmedLoad`).
         self._loads_this_step: dict[str, int] = {}
-        self._unconfirmed_loads: dict[str, tuple[int, list[tuple[int, frozenset[int]]]]] = {}
+        self._unconfirmed_loads: dict[str, UnconfirmedLoad] = {}
+        # The tokens each request had computed before the earliest step it was scheduled
+        # in: what a step that fails on the workers cannot have written (`_withdraw`).
+        self._first_written: dict[str, int] = {}
         # Their pages' blocks (the first sparse-MLA group's), by the step that loads them:
         # upstream caches a load's blocks when it allocates them, so another request's prefix
         # hit can share them before the load is confirmed.
@@ -179,6 +193,8 @@ class HiSparseScheduling:
         # has freed the rest (`after_free`); and how many went first in the eviction order.
         self._host_backed: list[KVCacheBlock] = []
         self.blocks_evicted_first = 0
+        # Pages whose KV a request's failed step may have written wrong (`_withdraw`).
+        self.pages_withdrawn = 0
         # Blocks vLLM copied on the device for prefix hits ending inside one (the page
         # layout's resident blocks: copy-on-write).
         self.resident_blocks_copied = 0
@@ -186,6 +202,7 @@ class HiSparseScheduling:
         self.staging_rows_short = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
         # Host prefix hits need page-sized hashes (the hash block is the page).
+        self.hash_block_size = scheduler.hash_block_size
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
         self.issue_plans = True
         self.import_kind = import_kind(scheduler.connector)
@@ -494,6 +511,7 @@ class HiSparseScheduling:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
         self._unpublished_imports.pop(request.request_id, None)
+        self._first_written.pop(request.request_id, None)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
@@ -597,9 +615,14 @@ class HiSparseScheduling:
             self._forget_rewritten_blocks(scheduler, scheduler_output)
             pool = self.kv_cache_manager.block_pool.blocks  # a free one's next owner writes it
             self._failed_load_blocks = {b for b in self._failed_load_blocks if pool[b].ref_cnt > 0}
-        for request_id in scheduler_output.num_scheduled_tokens:
+        first_written = self._first_written
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             if request_id not in self._failed:
-                self._sync_request(scheduler.requests[request_id])
+                request = scheduler.requests[request_id]
+                before = request.num_computed_tokens - num_tokens
+                if before < first_written.get(request_id, before + 1):
+                    first_written[request_id] = before
+                self._sync_request(request)
         # A record whose request was not allocated goes back; one waiting for a
         # connector's load keeps everything until the request is scheduled.
         self.admissions.end_step()
@@ -673,10 +696,13 @@ class HiSparseScheduling:
         page = self.block_size
         for request_id, num_loaded in loads.items():
             if request_id in scheduled:  # its computed tokens count the step's tokens now
-                computed = scheduler.requests[request_id].num_computed_tokens - scheduled[request_id]
+                written = scheduler.requests[request_id].num_computed_tokens
+                computed = written - scheduled[request_id]
                 first, end = (computed - num_loaded) // page, -(-computed // page)
                 pages = self.blocks.page_block_sets(request_id, first, end)
-                self._unconfirmed_loads[request_id] = (step, pages)
+                # The pages the step computes past the load attend over it.
+                after = self.blocks.page_block_sets(request_id, end, -(-written // page))
+                self._unconfirmed_loads[request_id] = UnconfirmedLoad(step, first, pages, after)
                 null = self.blocks.null_block_id
                 # A page landing in the host pool has no block in the first group.
                 self._unconfirmed_blocks.update((b, step) for b, _ in pages if b != null)
@@ -690,9 +716,10 @@ class HiSparseScheduling:
         with an error instead: those pages are placeholders in its table, which a
         recompute could not write, and their host pages were never filled.
 
-        A failed load's pages, from its first failed one on, leave the prefix cache in every
-        group (with "recompute" upstream leaves them cached, and a later request's hit
-        would read them unwritten, or copy them to the host pool), and their blocks stay
+        A failed load's pages, from its first failed one on, and the pages its step computed
+        past the load (they attended over it), leave the prefix cache in every group (with
+        "recompute" upstream leaves them cached, and a later request's hit would read them
+        unwritten, or copy them to the host pool), and their blocks stay
         held back from copies and demotion until a forward writes them to their page's end
         (`_forget_rewritten_blocks`), a restore fills them, or they go back to the pool:
         upstream lets one request recompute a shared failed block while the others count
@@ -701,14 +728,15 @@ class HiSparseScheduling:
         invalid = getattr(transfer, "invalid_block_ids", None) or set()
         self._unconfirmed_blocks = {b: s for b, s in self._unconfirmed_blocks.items() if s != step}
         null = self.blocks.null_block_id
-        for request_id in [r for r, (s, _) in self._unconfirmed_loads.items() if s == step]:
-            _, pages = self._unconfirmed_loads.pop(request_id)
+        for request_id in [r for r, load in self._unconfirmed_loads.items() if load.step == step]:
+            load = self._unconfirmed_loads.pop(request_id)
+            pages = load.pages
             imports = self._unpublished_imports.pop(request_id, [])
             failed_at = next(
                 (i for i, (_, blocks) in enumerate(pages) if not invalid.isdisjoint(blocks)), None
             )
             if failed_at is not None:
-                failed = pages[failed_at:]
+                failed = pages[failed_at:] + load.after
                 self._failed_load_blocks.update(b for b, _ in failed if b != null)
                 self.kv_cache_manager.evict_blocks({b for _, blocks in failed for b in blocks} - {null})
                 if imports:
@@ -769,6 +797,7 @@ class HiSparseScheduling:
             if name in counts:
                 counts[name] = max(counts[name], value) if name.startswith("max_") else counts[name] + value
         for request_id, reason in (getattr(output, "hisparse_failed", None) or {}).items():
+            self._withdraw(request_id)
             self._fail(request_id, reason)
         reported = getattr(output, "hisparse_copied", None)
         if reported is not None:
@@ -788,6 +817,13 @@ class HiSparseScheduling:
         if self.check_each_step:
             self.check_ownership()
 
+    def reset_prefix_cache(self) -> None:
+        """vLLM's prefix cache was reset (every block free): the host pool forgets its
+        copies too. Upstream resets for new weights (RLHF) and the
+        `/reset_prefix_cache` endpoint: a copy made before would serve old KV."""
+        self.residency.forget_host_copies()
+        self.admissions.forget_lookups()
+
     def failed(self, request_id: str) -> bool:
         """Whether HiSparse could not serve the request: its step's output is dropped."""
         return request_id in self._failed
@@ -797,6 +833,23 @@ class HiSparseScheduling:
         failed = set(self._failed)
         self._failed.clear()
         return failed
+
+    def _withdraw(self, request_id: str) -> None:
+        """A step of the request failed on the workers: its attention read wrong rows, and
+        the KV it wrote from then on is wrong past the first layer that did. Which step
+        is not known (a CUDA report comes a step or more late), so everything the request
+        wrote itself, from the first page of the earliest step it was scheduled in, leaves
+        the prefix cache in every group and the host pool's index, and no copy of those
+        pages is published (one in flight included). Requests that already took those
+        blocks or copies for their own (a prefix hit in the meantime) are not followed."""
+        first = self._first_written.get(request_id)
+        if first is None or self.scheduler.requests.get(request_id) is None:
+            return
+        first_page = first // self.block_size
+        self.residency.withdraw(request_id, first_page)
+        evicted: set[int] = set(self.blocks.blocks_from_page(request_id, first_page))
+        self.kv_cache_manager.evict_blocks(evicted)
+        self.pages_withdrawn += max(0, self.blocks.num_table_pages(request_id) - first_page)
 
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail one request, not the engine: it ends with an error when its step's output is
@@ -844,9 +897,10 @@ class HiSparseScheduling:
         new_request = request_id not in residency.requests
         if new_request:
             # The request's own list: it grows as the request decodes.
-            residency.add_request(
-                request_id, request.block_hashes if self.enable_caching else (), self._max_tokens(request)
-            )
+            # One hash per page, whatever vLLM's hash block (`page_hashes`).
+            hashes = page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
+            max_tokens = self._max_tokens(request)
+            residency.add_request(request_id, hashes if self.enable_caching else (), max_tokens)
         # What its admission holds passes to residency, page by page in table order.
         record = self.admissions.take(request_id)
         req = residency.requests[request_id]
@@ -864,6 +918,9 @@ class HiSparseScheduling:
             self.requests_started_none += 1
         residency.set_prefilling(request_id, request.num_computed_tokens < request.num_prompt_tokens)
         stable = min(request.num_computed_tokens, request.num_tokens)
+        load = self._unconfirmed_loads.get(request_id) if self._unconfirmed_loads else None
+        if load is not None:  # a page landing in the host pool has no block to hold back
+            stable = min(stable, load.first_page * self.block_size)
         if self._unconfirmed_blocks or self._failed_load_blocks:
             stable = min(stable, self._before_unconfirmed_pages(request_id, req.num_complete_pages, stable))
         if self.enable_caching:
@@ -1051,6 +1108,7 @@ class HiSparseScheduling:
             copies_in_flight=self.residency.num_copies_in_flight(),
             # Requests ended with an error because HiSparse could not serve them.
             requests_failed=self.requests_failed,
+            pages_withdrawn=self.pages_withdrawn,
             # Rows leased for one step to stage misses beyond hot buffers, and rows of the
             # budget the pool could not spare (those chunks took more passes instead).
             staging_rows_leased=self.staging_rows_leased,
