@@ -122,6 +122,9 @@ class RecordingStream:
     def wait_stream(self, other: RecordingStream) -> None:
         self.log.append(("wait", self.name, other.name))
 
+    def wait_event(self, event) -> None:
+        self.log.append(("wait for", self.name, event))
+
 
 class RecordingCuda:
     """A stand-in for torch.cuda's streams and events (the real ones need a GPU) that
@@ -202,3 +205,56 @@ def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report
     cuda.events[-1].done = True
     with pytest.raises(ResolverError, match="page copy"):
         run_step([])
+
+
+@pytest.mark.parametrize("num_pools", [1, 2])
+def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_scheduler_hears_of_it(num_pools):
+    """With several nodes, each node's writer copies every page into its own pool, and the
+    scheduler hears only of the output rank's copy: another node's copy, on its writer's
+    copy stream, could still read the page's blocks when they were freed and written for
+    their next owner, and still write its host page when its node's ranks read it. Its
+    report now waits two steps, and the writer's step two after the copy waits for it on
+    the compute stream (the scheduler uses the page from the step after that). With one
+    pool nothing waits: the report comes once the copy's event has passed."""
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.host_memory import PoolShare
+    from vllm.v1.hisparse.page_copy import PageCopyStream
+    from vllm.v1.hisparse.plan import PageCopy
+    from vllm.v1.hisparse.pool_placement import PoolPlacement
+    from vllm.v1.hisparse.worker import HiSparseWorker
+
+    layer = "model.layers.0.self_attn.attn"
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})
+    cache = torch.arange(4 * 64 * 8, dtype=torch.float32).reshape(4, 64, 8)
+    placement = PoolPlacement(PoolShare.alone(), writer=True, num_pools=num_pools, node_ranks=(0,))
+    worker = HiSparseWorker(
+        runner, {layer: cache}, group_of_layer={layer: 0}, hot_rows=64, num_host_pages=2, placement=placement
+    )
+    cuda = RecordingCuda()
+    worker.copy_stream = PageCopyStream(torch.device("cpu"), cuda=cuda)
+    step = SimpleNamespace(
+        hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None, num_scheduled_tokens={}
+    )
+
+    def run_step(copies):
+        worker.begin_step(step)
+        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,))
+        return worker.finish_step(SimpleNamespace())
+
+    out = run_step([PageCopy(7, "r", 0, (2,), 1)])
+    (event,) = cuda.events
+    event.done = True  # the output rank's own copy is done at once
+    fences = [entry for entry in cuda.log if entry[0] == "wait for"]
+    assert out.hisparse_copied == [] and not fences
+    out = run_step([])
+    assert out.hisparse_copied == ([7] if num_pools == 1 else [])
+    assert not [e for e in cuda.log if e[0] == "wait for"], "the next forward runs beside the copy"
+    out = run_step([])
+    fences = [entry for entry in cuda.log if entry[0] == "wait for"]
+    if num_pools == 1:
+        assert not fences and out.hisparse_copied == []
+    else:
+        assert fences == [("wait for", "compute", event)], "the step after next waits for the copy"
+        assert cuda.log.index(fences[0]) > cuda.log.index(("record", "copy"))
+        assert out.hisparse_copied == [7], "reported two steps after its launch"

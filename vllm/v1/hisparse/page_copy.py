@@ -178,7 +178,9 @@ class PageCopyStream:
     next step's forward runs beside the copies instead of after them (on the writing
     rank; the node's other ranks no longer wait for it at their next collective). That
     is safe because a copy's source blocks and destination host page stay its own until
-    the scheduler reads it durable, which is after the event: a page with a copy in
+    the scheduler reads it durable, which is after the event (with a pool on each of
+    several nodes, the other nodes' writers' copies are fenced instead, `fence` and
+    `worker.COPY_FENCE_STEPS`): a page with a copy in
     flight is never demoted, and an ended request's copies keep their blocks and host
     pages (`residency.py`, orphans); and what the copy allocates (its indices and error
     word) is allocated on the side stream. The copies' error bits go to a word of their
@@ -215,3 +217,7 @@ class PageCopyStream:
             event = cuda.Event()
             event.record(self._stream)
         return CopiesOut(event, error)
+
+    def fence(self, copies_out: CopiesOut) -> None:
+        """Work queued on the compute stream from now on waits for these copies."""
+        self._cuda.current_stream(self.device).wait_event(copies_out.event)

@@ -14,11 +14,13 @@ other nodes have pools of their own, written by their own first rank.
 Why a reader never sees a row before it is written: the scheduler turns a page
 HOST only after the group's first rank (the rank whose output it reads, and the
 writer of its node) reported the copy durable, and on every other node the
-writer copied the page in the same step. A reader resolves a HOST row inside a
-later step's forward, after that forward's first collective (the vocabulary-
-parallel embedding's all-reduce), which its node's writer joins only once its
-previous step, copy included, is done: on CPU the copy has returned by then, on
-CUDA it was queued on the writer's stream ahead of the collective.
+writer copied the page in the same step. On CPU a copy has returned before its
+step does. On CUDA the copies run on a copy stream, and with several pools the
+report waits two steps while every writer's compute stream waits, two steps after
+a copy, for that copy (`worker.COPY_FENCE_STEPS`): a reader resolves a HOST row
+inside a later forward, after that forward's first collective (the vocabulary-
+parallel embedding's all-reduce), which its node's writer joins only after the
+wait.
 
 It never allocates memory (`host_memory.py` does) and never talks to the
 scheduler; it only asks the group's ranks where they run.

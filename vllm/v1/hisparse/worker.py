@@ -73,6 +73,12 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+# With a host pool on each of several nodes, the steps a writer's page copy may still run
+# after the step that launched it: its report waits that long, and the writer's next
+# forward but one waits for the copy (`HiSparseWorker._fence_copies`).
+COPY_FENCE_STEPS = 2
+
+
 @dataclass
 class _StepReport:
     """What one step leaves to report: its copies and counters, done once `event` has
@@ -85,6 +91,7 @@ class _StepReport:
     event: Any = None  # a CUDA event recorded after the step's work on the model's stream; None on CPU
     request_ids: list[str] = field(default_factory=list)
     copies_out: CopiesOut | None = None
+    step: int = 0  # the worker's step that submitted it
 
     def done(self) -> bool:
         return (self.event is None or self.event.query()) and (
@@ -101,8 +108,11 @@ class StepReports:
     whose events have passed, so no report waits for the GPU.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, min_age: int = 0) -> None:
+        """`min_age`: steps a report waits at least, its work done or not (several host
+        pools: `COPY_FENCE_STEPS`)."""
         self.device = device
+        self.min_age = min_age
         self._pending: deque[_StepReport] = deque()
 
     def submit(
@@ -113,6 +123,7 @@ class StepReports:
         host_counts: dict[str, int],
         request_errors: StepRequestErrors | None = None,
         copies_out: CopiesOut | None = None,
+        step: int = 0,
     ) -> None:
         parts = [device_counts, error.reshape(1)]
         request_ids: list[str] = []
@@ -121,21 +132,23 @@ class StepReports:
             request_ids = request_errors.request_ids
         values = torch.cat(parts)
         if self.device.type != "cuda":
-            self._pending.append(_StepReport(copies, values, host_counts, None, request_ids, copies_out))
+            report = _StepReport(copies, values, host_counts, None, request_ids, copies_out, step)
+            self._pending.append(report)
             return
         pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         pinned.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids, copies_out))
+        self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids, copies_out, step))
 
     def pending(self) -> bool:
         """Whether a submitted step's report has not been collected yet."""
         return bool(self._pending)
 
-    def collect(self) -> tuple[list[int], dict[str, int], int, dict[str, int]]:
+    def collect(self, step: int = 0) -> tuple[list[int], dict[str, int], int, dict[str, int]]:
         """(ids of durable copies, counters, error bits, each request's own error bits) of
-        every step done since the last call.
+        every step done since the last call (and, with `min_age`, submitted that many
+        steps before `step` or earlier).
 
         Counters add up over the steps collected, except the maxima (`max_*`).
         `device_reads` counts the reads of device-produced values this makes: one
@@ -146,8 +159,9 @@ class StepReports:
         error = 0
         failed: dict[str, int] = {}
         num_counts = len(DEVICE_COUNTERS)
-        while self._pending and self._pending[0].done():
-            report = self._pending.popleft()
+        pending, latest = self._pending, step - self.min_age if self.min_age else None
+        while pending and (latest is None or pending[0].step <= latest) and pending[0].done():
+            report = pending.popleft()
             copies.extend(report.copies)
             read = report.device_counts.tolist()
             values, step_error = read[:num_counts], read[num_counts]
@@ -231,8 +245,13 @@ class HiSparseWorker:
             first.device,
             max_pages=max_pages if max_pages is not None else num_host_pages,
         )
-        self.reports = StepReports(first.device)
+        # Several nodes' pools: a page is written on each node by its own writer, and the
+        # scheduler hears only of the first node's copy. The others' are fenced instead.
+        self.fence_steps = COPY_FENCE_STEPS if self.num_pools > 1 else 0
+        self.reports = StepReports(first.device, min_age=self.fence_steps)
         self.copy_stream = PageCopyStream(first.device)
+        self._step = 0
+        self._fences: deque[tuple[int, CopiesOut]] = deque()
         sharing = ""
         if len(placement.node_ranks) > 1:
             role = "written" if self.writes_pages else "read"
@@ -252,6 +271,9 @@ class HiSparseWorker:
         """Apply the plan's restores, block-table updates and residency deltas (before metadata)."""
         plan = scheduler_output.hisparse_plan
         self._plan = plan
+        self._step += 1
+        if self._fences:
+            self._fence_copies()
         for rid in list(scheduler_output.finished_req_ids) + list(scheduler_output.preempted_req_ids or ()):
             self.resolution.forget(rid)
         if plan is not None:
@@ -264,6 +286,25 @@ class HiSparseWorker:
             self._update_block_tables(plan)
             self.resolution.update(plan.host_pages, plan.leases, plan.staging)
         self.resolution.start_step(scheduler_output.num_scheduled_tokens)
+
+    def _fence_copies(self) -> None:
+        """With a pool on each of several nodes: this step's work waits for the page copies
+        this rank launched `fence_steps` steps ago or earlier.
+
+        The scheduler turns a page HOST, frees its blocks and reads its host page once the
+        output rank reports its own copy durable. Another node's writer copied the same
+        page on its own copy stream, which nothing else waits for: its next forward could
+        write the freed blocks for their new owner while the copy still read them, and its
+        node's ranks could read the host page before it was written. The report waits
+        `fence_steps` steps (`StepReports.min_age`), so the scheduler uses a page copied in
+        step n from step n + 3 on; here the writer's step n + 2 waits for that copy before
+        anything of it runs, and the node's other ranks, through that forward's
+        collectives, before their step n + 3. The copy still runs beside the forward of
+        step n + 1."""
+        oldest = self._step - self.fence_steps
+        while self._fences and self._fences[0][0] <= oldest:
+            _, copies_out = self._fences.popleft()
+            self.copy_stream.fence(copies_out)
 
     def _update_block_tables(self, plan: HiSparseStepPlan) -> None:
         runner = self.runner
@@ -298,12 +339,16 @@ class HiSparseWorker:
             host_counts["narrow_copy_launches"] = launches - self._narrow_copy_launches
             self._narrow_copy_launches = launches
             copies = [c.copy_id for c in plan.copies]
-            self.reports.submit(copies, device_counts, error, host_counts, request_errors, copies_out)
+            if self.fence_steps and copies_out is not None:
+                self._fences.append((self._step, copies_out))
+            self.reports.submit(
+                copies, device_counts, error, host_counts, request_errors, copies_out, step=self._step
+            )
         elif not self.reports.pending():
             return output
         # Every step collects what is done, a step without a plan too, so no report waits
         # for the next planned step.
-        copied, counters, error_bits, failed = self.reports.collect()
+        copied, counters, error_bits, failed = self.reports.collect(self._step)
         if output is _empty_output():
             output = copy(output)
         output.hisparse_copied = copied
