@@ -724,3 +724,63 @@ def test_an_import_after_a_walk_that_found_no_room_for_a_lease_does_not_ask_agai
     h.scheduler.update_from_output(output, h.model_runner_output(output))
     h.run_until_done()
     h.hisparse.check_ownership()
+
+
+def landed_pages(scheduler_output) -> dict[str, set[int]]:
+    """Request -> the host pages the step's ExampleConnector loads write."""
+    meta = scheduler_output.kv_connector_metadata
+    found: dict[str, set[int]] = {}
+    for transfer in meta.requests:
+        if not transfer.is_store:
+            for rows in transfer.rows:
+                if rows.on_host:
+                    pages = {slot // BLOCK for slot in rows.slots.tolist()}
+                    found.setdefault(transfer.request_id, set()).update(pages)
+    return found
+
+
+def test_a_landing_takes_no_host_page_a_forward_still_in_flight_may_read(model, tmp_path):
+    """Under asynchronous scheduling a step is scheduled while the one before runs. A's
+    import landed in the host pool and A reads those pages in the step in flight when it
+    is aborted; its pages go back to the pool. The connector writes a landing's pages from
+    the host as the next step starts, outside the device's stream order, so B's landing
+    must not take them before that step's output is in: it took them, and would have
+    overwritten rows A's forward could still be reading. Once the output is processed
+    the pages are B's to take."""
+    transfer = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )  # fmt: skip
+    page_gib = MLA_GROUPS * BLOCK * 576 * 2 / (1 << 30)
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=KV_CACHE_BYTES, max_model_len=640, max_num_batched_tokens=1024,
+        attention_config={"hisparse_config": {"host_pool_gib": 16.5 * page_gib}}, kv_transfer_config=transfer,
+        async_scheduling=True,
+    )  # fmt: skip
+    outputs = []
+    schedule = h.schedule
+    h.schedule = lambda: outputs.append(schedule()) or outputs[-1]
+    busy(h)
+    a, b = prompt(1, 7 * BLOCK), prompt(2, 7 * BLOCK)
+    assert store(h, a) == store(h, b) == 6 * BLOCK
+    h.add_request(a, max_tokens=30, request_id="A")
+    for _ in range(20):
+        if "A" in landed_pages(outputs[-1]):
+            break
+        h.step()
+    a_pages = landed_pages(outputs[-1])["A"]
+    assert len(a_pages) == 6, "A's import landed in the host pool"
+    for _ in range(20):
+        if h.requests["A"].num_output_tokens >= 2:
+            break
+        h.step()
+    assert h._batches and "A" in h._batches[0][0].num_scheduled_tokens, "a step reading A's pages runs"
+    h.abort(["A"])
+    h.add_request(b, max_tokens=8, request_id="B")
+    in_flight = len(h._batches)
+    h.step()
+    assert not landed_pages(outputs[-1]).get("B", set()) & a_pages, "B's landing writes pages A still reads"
+    assert in_flight, "the step that read A's pages was still in flight"
+    h.run_until_done()
+    assert h.requests["B"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.hisparse.residency.host_pool.num_referenced == 0

@@ -928,3 +928,29 @@ def test_a_waiting_turns_host_copies_are_looked_up_again_only_when_they_may_have
     assert pool.evictions == evictions + 1 and pool.lookup("h5") is None
     assert waiting_walk() == copies[:5], "the run ends at the evicted page"
     assert {"h1", "h2", "h3", "h4", "h5"} <= set(pool.looked_up), "looked up again after an eviction"
+
+
+def test_a_landing_takes_only_host_pages_released_before_the_last_step_whose_output_is_in():
+    """Pages released while step 5 may still run (scheduled, its output not processed) are
+    not given to a connector's landing until step 5 is settled; other allocations take
+    them (the device orders their copies after the forward)."""
+    pool = HostPagePool(4)
+    pool.track_releases = True
+    pages = [pool.allocate() for _ in range(4)]
+    pool.publish(pages[0], "h0")
+    pool.settle(4)
+    pool.step_scheduled = 5
+    pool.release(pages[0])
+    pool.release_all([pages[1]])
+    assert pool.num_available == 2 and pool.num_settled == 0
+    assert pool.allocate_settled(1) is None and pool.num_available == 2, "nothing taken"
+    pool.settle(5)
+    assert pool.num_settled == 2
+    taken = pool.allocate_settled(2)
+    assert taken is not None and sorted(taken) == sorted(pages[:2])
+    assert pool.lookup("h0") is None, "the cached copy was evicted for the landing"
+    pool.check()
+    pool.release_all(taken)
+    again = pool.allocate()  # a copy's allocation does not wait
+    assert again in pages[:2] and pool.num_settled == 1, "released after step 5 settled: free at once"
+    pool.check()

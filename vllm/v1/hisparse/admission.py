@@ -880,7 +880,9 @@ class Admissions:
             and len(positions) * len(self.blocks.mla_group_ids) <= self.blocks.num_free_blocks() // 2
         ):
             return new_computed_blocks, num_external_tokens
-        if self.host_pool.num_available < len(positions):
+        # The connector writes landed pages as the step starts, from the host: only pages
+        # no forward still in flight may read (`HostPagePool.allocate_settled`).
+        if self.host_pool.num_settled < len(positions):
             return new_computed_blocks, num_external_tokens
         if not record.lease and not record.no_lease:
             record.lease = self._take_lease(request)
@@ -889,7 +891,9 @@ class Admissions:
             # No room for the lease in this step (found by the walk, or now): the import
             # lands on the device, as upstream's.
             return new_computed_blocks, num_external_tokens
-        for position in positions:
-            record.host_pages[position] = HostPage(self.host_pool.allocate())
+        pages = self.host_pool.allocate_settled(len(positions))
+        assert pages is not None, "counted above, and nothing between allocates a host page"
+        for position, page in zip(positions, pages, strict=True):
+            record.host_pages[position] = page
             record.landed.add(position)
         return self.blocks.with_host_placeholders(new_computed_blocks, len(positions)), num_external_tokens

@@ -37,6 +37,13 @@ class HostPagePool:
         self._hash_of: dict[int, Hashable] = {}
         # Cached copies evicted so far: while it stands, every lookup made since still holds.
         self.evictions = 0
+        # With `track_releases` (a connector that writes landed pages from the host, outside
+        # the device's stream order): each free or cached page released since the last
+        # settled step -> the latest step scheduled when it was (`allocate_settled`).
+        self.track_releases = False
+        self.step_scheduled = 0
+        self.step_settled = 0
+        self._released_at: dict[int, int] = {}
 
     # -- queries -------------------------------------------------------------
 
@@ -61,6 +68,12 @@ class HostPagePool:
         """`lookup` of each of these blocks (a new turn's history, in one call)."""
         return list(map(self._by_hash.get, block_hashes))
 
+    @property
+    def num_settled(self) -> int:
+        """Pages `allocate_settled` could take now."""
+        self._prune_released()
+        return self.num_available - len(self._released_at)
+
     def is_indexed(self, page: int) -> bool:
         """Whether the page is findable by a block hash (its copy is durable)."""
         return page in self._hash_of
@@ -77,7 +90,54 @@ class HostPagePool:
         else:
             raise HostPoolExhausted(f"all {self.num_pages} host pages are referenced")
         self._refs[page] = 1
+        if self._released_at:
+            self._released_at.pop(page, None)
         return HostPage(page)
+
+    def settle(self, step: int) -> None:
+        """Step `step`'s output is processed: its forward, and every earlier one, is done."""
+        self.step_settled = max(self.step_settled, step)
+
+    def _prune_released(self) -> None:
+        settled, released = self.step_settled, self._released_at
+        if released:
+            self._released_at = {page: step for page, step in released.items() if step > settled}
+
+    def allocate_settled(self, num_pages: int) -> list[HostPage] | None:
+        """`num_pages` pages, each referenced once, none released while a step scheduled
+        before the release may still be running (None, and nothing taken, if the pool
+        has too few). For a KV connector's landing: it writes the pages from the host as
+        the step starts, outside the device's stream order, while a forward still queued
+        may read a page its request held (a request preempted or finished with a step in
+        flight under asynchronous scheduling). Every other writer of a page is a copy the
+        device orders after that forward."""
+        self._prune_released()
+        released = self._released_at
+        if not released:
+            if self.num_available < num_pages:
+                return None
+            return [self.allocate() for _ in range(num_pages)]
+        if self.num_available - len(released) < num_pages:
+            return None
+        taken: list[int] = []
+        skipped: list[int] = []
+        never_used = self._never_used
+        while len(taken) < num_pages and never_used:
+            page = never_used.pop()
+            (skipped if page in released else taken).append(page)
+        never_used.extend(reversed(skipped))
+        if len(taken) < num_pages:
+            for page in [p for p in self._evictable if p not in released][: num_pages - len(taken)]:
+                del self._evictable[page]
+                del self._by_hash[self._hash_of.pop(page)]
+                self.evictions += 1
+                taken.append(page)
+        for page in taken:
+            self._refs[page] = 1
+        return [HostPage(page) for page in taken]
+
+    def _note_released(self, page: int) -> None:
+        self._released_at[page] = self.step_scheduled
 
     def retain(self, page: int) -> None:
         """Take another reference, reviving a cached copy if nobody held it."""
@@ -88,16 +148,20 @@ class HostPagePool:
             raise KeyError(f"host page {page} is neither referenced nor cached")
         del self._evictable[page]
         self._refs[page] = 1
+        if self._released_at:
+            self._released_at.pop(page, None)
 
     def retain_all(self, pages: Iterable[int]) -> None:
         """`retain` each of these pages (a turn's history of thousands, in one call)."""
-        refs, evictable = self._refs, self._evictable
+        refs, evictable, released = self._refs, self._evictable, self._released_at
         for page in pages:
             if page in refs:
                 refs[page] += 1
             elif page in evictable:
                 del evictable[page]
                 refs[page] = 1
+                if released:
+                    released.pop(page, None)
             else:
                 raise KeyError(f"host page {page} is neither referenced nor cached")
 
@@ -135,10 +199,13 @@ class HostPagePool:
             self._evictable[page] = None
         else:
             self._never_used.append(page)
+        if self.track_releases:
+            self._note_released(page)
 
     def release_all(self, pages: Iterable[int]) -> None:
         """`release` each of these pages (a request's thousands at its end, in one call)."""
         refs, hash_of, evictable, never_used = self._refs, self._hash_of, self._evictable, self._never_used
+        track, released, step = self.track_releases, self._released_at, self.step_scheduled
         for page in pages:
             n = refs.get(page, 0)
             if n > 1:
@@ -151,6 +218,8 @@ class HostPagePool:
                 evictable[page] = None
             else:
                 never_used.append(page)
+            if track:
+                released[page] = step
 
     def publish(self, page: int, block_hash: Hashable) -> None:
         """Index a referenced page, whose copy is now durable, by its block hash."""
@@ -195,3 +264,4 @@ class HostPagePool:
         assert not refs or min(refs.values()) > 0
         assert len(hash_of) == len(self._by_hash) and hash_of.keys() == set(self._by_hash.values())
         assert cached.keys() <= hash_of.keys() and hash_of.keys().isdisjoint(never_used)
+        assert self._released_at.keys().isdisjoint(refs), "a page released since is referenced again"

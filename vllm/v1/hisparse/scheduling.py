@@ -206,6 +206,9 @@ class HiSparseScheduling:
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
         self.issue_plans = True
         self.import_kind = import_kind(scheduler.connector)
+        # A connector that lands imports in the host pool writes them outside the device's
+        # stream order: host pages released while a step is in flight wait for its output.
+        self.residency.host_pool.track_releases = self.import_kind is ImportKind.LANDS_ON_HOST
         # Finished sessions' indexer (and drafter) pages held on the device under pressure.
         self.histories = HeldHistories(self.blocks)
         self.admissions = Admissions(
@@ -609,6 +612,7 @@ class HiSparseScheduling:
     def finish_step(self, scheduler: Scheduler, scheduler_output: SchedulerOutput) -> None:
         """After schedule(): register new pages, plan this step's copies, attach the plan."""
         step = next(self._steps)
+        self.residency.host_pool.step_scheduled = step
         if self._loads_this_step:
             self._note_loads(scheduler, scheduler_output, step)
         if self._failed_load_blocks:
@@ -781,6 +785,8 @@ class HiSparseScheduling:
         flight is cancelled and planning stops.
         """
         plan: HiSparseStepPlan | None = getattr(scheduler_output, "hisparse_plan", None)
+        if plan is not None:
+            self.residency.host_pool.settle(plan.step)
         if plan is not None and (self._unconfirmed_loads or self._unconfirmed_blocks):
             self._confirm_loads(plan.step, output)
         if plan is not None:
