@@ -157,6 +157,10 @@ def build_app(
             return error(400, f"request body is not JSON: {e}")
         if not isinstance(parsed, dict):
             return error(400, "request body must be a JSON object")
+        if parsed.get("n", 1) not in (1, None) or parsed.get("best_of", 1) not in (1, None):
+            # The prefill instance holds one prompt's blocks for one read by the decode
+            # instance; n sequences would each read them.
+            return error(400, "a disaggregated prefill serves one sequence: n and best_of must be 1")
         if state["in_flight"] >= max_concurrency:
             return error(503, f"{max_concurrency} requests in flight; retry", {"Retry-After": "1"})
         state["in_flight"] += 1

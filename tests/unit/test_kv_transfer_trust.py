@@ -132,6 +132,28 @@ def test_vllm_answers_a_refusal_as_a_validation_error_naming_the_field(monkeypat
     assert "no signature" in str(refused.value)
 
 
+def test_a_remote_prefill_for_more_than_one_sequence_is_refused_before_its_signature_is_used(monkeypatch):
+    """vLLM validates a request once and then makes n requests of it, each of which would
+    read the peer's blocks; the peer frees them for other requests after the first read.
+    The refusal comes before the signature is taken, and through vLLM's own validation
+    of the sampling parameters (patch 0016)."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET.decode())
+    signed = trust.sign(PARAMS, SECRET)
+    processor = SimpleNamespace(vllm_config=CONSUMER)
+    for n in (2, 4):
+        params = SamplingParams(n=n, extra_args={"kv_transfer_params": dict(signed)})
+        with pytest.raises(VLLMClientError, match=f"n={n}"):
+            InputProcessor._validate_params(processor, params, ("generate",))
+    trust.check_params(CONSUMER, {"kv_transfer_params": dict(signed)}, n=1)
+    with pytest.raises(trust.UntrustedKVTransfer, match="already used"):
+        trust.check_params(CONSUMER, {"kv_transfer_params": dict(signed)}, n=1)
+    trust.check_params(PRODUCER, {"kv_transfer_params": dict(signed)}, n=3)  # reads from no peer
+
+
 def test_the_proxy_signs_what_the_decode_instance_gets_with_the_shared_secret():
     import pd_proxy
     from test_pd_proxy import Instance, post, serve

@@ -154,6 +154,16 @@ def test_a_body_that_is_not_a_json_object_is_refused_before_any_instance_is_call
     assert not prefill.bodies and not decode.bodies
 
 
+@pytest.mark.parametrize("body", [b'{"prompt": "hi", "n": 2}', b'{"prompt": "hi", "best_of": 3}'])
+def test_more_than_one_sequence_is_refused_before_any_instance_is_called(proxy_of, body):
+    """The prefill instance holds the prompt's blocks for one read: n sequences on the
+    decode instance would each read them."""
+    url, prefill, decode = proxy_of({"choices": []})
+    status, answer = post(url, body)
+    assert status == 400 and b"n and best_of must be 1" in answer
+    assert not prefill.bodies and not decode.bodies
+
+
 def test_authorization_and_a_request_id_reach_both_instances_and_the_id_comes_back(proxy_of):
     url, prefill, decode = proxy_of({"choices": [{"text": "x"}]})
     status, answer, headers = post_with_headers(url, b'{"prompt": "hi"}', {"Authorization": "Bearer k-1"})

@@ -149,9 +149,9 @@ def reads_from_peer(vllm_config: Any) -> bool:
     return transfer is not None and bool(getattr(transfer, "is_kv_consumer", False))
 
 
-def check_params(vllm_config: Any, extra_args: dict[str, Any] | None) -> None:
-    """A remote prefill on a KV consumer must come from the trusted proxy
-    (UntrustedKVTransfer otherwise)."""
+def check_params(vllm_config: Any, extra_args: dict[str, Any] | None, n: int = 1) -> None:
+    """A remote prefill on a KV consumer must come from the trusted proxy, for one sequence
+    (`n`, the request's sequences; UntrustedKVTransfer otherwise)."""
     if not extra_args or "kv_transfer_params" not in extra_args:
         return
     params = extra_args["kv_transfer_params"]
@@ -161,14 +161,21 @@ def check_params(vllm_config: Any, extra_args: dict[str, Any] | None) -> None:
         raise UntrustedKVTransfer("kv_transfer_params must be a JSON object")
     if not params.get("do_remote_prefill") or not reads_from_peer(vllm_config):
         return
+    if n != 1:
+        # vLLM would make n requests of one, each reading the peer's blocks, which the peer
+        # frees (for other requests) once the first read is done.
+        raise UntrustedKVTransfer(
+            f"kv_transfer_params with do_remote_prefill serve one sequence, and this request asks "
+            f"for n={n}: send n=1 (the P/D proxy's decode call asks for one)"
+        )
     verify(params, secret_from_env())
 
 
-def check_kv_transfer_params(vllm_config: Any, extra_args: dict[str, Any] | None) -> None:
+def check_kv_transfer_params(vllm_config: Any, extra_args: dict[str, Any] | None, n: int = 1) -> None:
     """Where vLLM validates a request's sampling parameters: `check_params`, its refusal
     raised as vLLM's validation error (a 400 answer naming kv_transfer_params)."""
     try:
-        check_params(vllm_config, extra_args)
+        check_params(vllm_config, extra_args, n)
     except UntrustedKVTransfer as error:
         from vllm.exceptions import VLLMValidationError
 
