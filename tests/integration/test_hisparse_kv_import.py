@@ -784,3 +784,28 @@ def test_a_landing_takes_no_host_page_a_forward_still_in_flight_may_read(model, 
     h.run_until_done()
     assert h.requests["B"].status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert h.hisparse.residency.host_pool.num_referenced == 0
+
+
+def test_a_second_request_naming_a_peers_request_already_read_computes_its_prompt_here(model):
+    """Signed parameters are accepted once per API server process (its record of used
+    signatures is its own), so with several a replay reached the engine twice, and both
+    requests read the peer's blocks, which the peer frees for its other requests once the
+    first read is done. The engine reads a peer's request once: the second computes its
+    prompt here, and the first is read as before."""
+    h = nixl_instance(model, "kv_consumer")
+    tokens = prompt(1, 200)
+    params = remote_prefill(len(tokens), h.num_groups)
+    for request_id in ("first", "replayed"):
+        transfer = {"kv_transfer_params": dict(params)}
+        h.add_request(tokens, max_tokens=4, request_id=request_id, extra_args=transfer)
+    output = h.schedule()
+    assert set(output.kv_connector_metadata.reqs_to_recv) == {"first"}, "the peer's blocks are read once"
+    assert output.num_scheduled_tokens.get("replayed") == len(tokens), "the replay computes its prompt"
+    assert h.scheduler.connector.connector_scheduler.repeated_reads_refused == 1
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+    done = h.schedule()
+    finished = h.model_runner_output(done)
+    finished.kv_connector_output = KVConnectorOutput(finished_recving={"first"})
+    h.scheduler.update_from_output(done, finished)
+    h.run_until_done()
+    assert all(r.num_output_tokens == 4 for r in h.requests.values())

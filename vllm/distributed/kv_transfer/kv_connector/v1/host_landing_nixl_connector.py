@@ -36,6 +36,7 @@ hisparse_config. Push mode (NixlPushConnector) is not changed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from vllm.logger import init_logger
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
 from vllm.v1.hisparse.kv_import import HostLanding, when_host_pool_registered
+from vllm.v1.hisparse.trust import MAX_VALID_S
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -234,6 +236,32 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
         hisparse = vllm_config.attention_config.hisparse_config is not None
         self._managed_groups = hisparse_managed_group_ids(kv_cache_config.kv_cache_groups) if hisparse else ()
         self.declined_sends = 0
+        # Each peer's request read here, until its parameters would have expired: when.
+        self._reads_taken: dict[tuple[Any, Any], float] = {}
+        self.repeated_reads_refused = 0
+
+    def on_new_request(self, request: Request) -> None:
+        """A peer's request is read once. A second request naming the same remote request
+        (replayed parameters, accepted by another API server process, whose record of used
+        signatures is its own) computes its prompt here instead: the peer frees those
+        blocks, for its other requests, once the first read is done."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            key = (params.get("remote_engine_id"), params.get("remote_request_id"))
+            now = time.monotonic()
+            if len(self._reads_taken) > 4096:
+                self._reads_taken = {k: t for k, t in self._reads_taken.items() if t > now}
+            if self._reads_taken.get(key, 0.0) > now:
+                params["do_remote_prefill"] = False
+                self.repeated_reads_refused += 1
+                logger.warning(
+                    "request %s names remote request %s of %s, already read by this instance: "
+                    "it computes its prompt here instead (%d refused so far)",
+                    request.request_id, key[1], key[0], self.repeated_reads_refused,
+                )  # fmt: skip
+            else:
+                self._reads_taken[key] = now + MAX_VALID_S  # the longest a signature lasts
+        super().on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
