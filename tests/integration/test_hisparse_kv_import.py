@@ -809,3 +809,28 @@ def test_a_second_request_naming_a_peers_request_already_read_computes_its_promp
     h.scheduler.update_from_output(done, finished)
     h.run_until_done()
     assert all(r.num_output_tokens == 4 for r in h.requests.values())
+
+
+def test_a_stored_prompt_is_found_only_by_requests_of_its_own_cache_salt(model, tmp_path):
+    """vLLM keeps cache salts (tenants) apart in its prefix cache; upstream's
+    ExampleConnector named a stored prompt by its tokens alone, so another tenant's
+    request of the same prompt loaded it (and under pressure its pages landed in the host
+    pool, published under that request's hashes). The store is now named by the salt
+    too (and by the LoRA adapter, which changes every layer's KV)."""
+    producer = consumer(model, tmp_path, hisparse=False, role="kv_producer")  # one with HiSparse stores none
+    tokens = prompt(1, 200)
+    producer.add_request(tokens, max_tokens=1, request_id="stored", cache_salt="tenant-a")
+    output = producer.schedule()
+    (stored,) = [t for t in output.kv_connector_metadata.requests if t.is_store]
+    assert stored.mm_hashes == ["cache_salt:tenant-a"], "the store is named by its salt"
+    h = consumer(model, tmp_path, hisparse=True)
+    folder = h.scheduler.connector.prompt_folder(tokens, ["cache_salt:tenant-a"])
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, COMPLETE_MARKER), "w").close()
+    for request_id, salt in (("other", "tenant-b"), ("unsalted", None), ("own", "tenant-a")):
+        h.add_request(tokens, max_tokens=2, request_id=request_id, cache_salt=salt)
+        output = h.schedule()
+        loads = {t.request_id for t in output.kv_connector_metadata.requests if not t.is_store}
+        assert (request_id in loads) == (salt == "tenant-a"), f"{request_id} loads tenant-a's prompt"
+        h.scheduler.update_from_output(output, h.model_runner_output(output))
+        h.run_until_done()

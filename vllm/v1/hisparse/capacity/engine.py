@@ -95,11 +95,12 @@ def make_request(
     block_hasher: Callable[[Request], list[BlockHash]] | None,
     arrival_time: float | None = None,
     priority: int = 0,
+    cache_salt: str | None = None,
     **sampling_args: Any,
 ) -> Request:
     """A Request as EngineCore makes it from an EngineCoreRequest (ignoring EOS, so it
     produces exactly `max_tokens`); `priority` orders it under the priority policy (lower
-    first)."""
+    first); `cache_salt` keeps its prefix cache apart from other salts'."""
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.request import Request
@@ -113,7 +114,7 @@ def make_request(
         pooling_params=None,
         arrival_time=time.time() if arrival_time is None else arrival_time,
         lora_request=None,
-        cache_salt=None,
+        cache_salt=cache_salt,
         data_parallel_rank=None,
         priority=priority,
     )

@@ -93,6 +93,20 @@ class _PromptStore:
     block_ids: list[list[int]]
 
 
+def prompt_keys(request: Request) -> list[str]:
+    """What names a stored prompt's KV beside its tokens: its multimodal inputs, its cache
+    salt (a tenant's: vLLM's prefix cache keeps salts apart) and its LoRA adapter (which
+    changes every layer's KV). Upstream's ExampleConnector names the tokens and multimodal
+    inputs only, so another tenant's or adapter's request of the same prompt loaded it,
+    and with HiSparse its pages landed in the host pool under that request's hashes."""
+    keys = [f.identifier for f in request.mm_features]
+    if request.cache_salt:
+        keys.append(f"cache_salt:{request.cache_salt}")
+    if request.lora_request is not None:
+        keys.append(f"lora:{request.lora_request.lora_name}")
+    return keys
+
+
 class GroupedExampleConnector(ExampleConnector, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -105,6 +119,8 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
         self._storing: dict[str, _PromptStore] = {}
         # Set by Hybrid HiSparse's scheduler side: where pages of an import land.
         self.host_landing: HostLanding | None = None
+        # Each request's keys beside its tokens (`prompt_keys`), for its store.
+        self._keys: dict[str, list[str]] = {}
 
     # -- scheduler side ------------------------------------------------------
 
@@ -116,6 +132,9 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
         prefix = torch.tensor(prompt[: self.stored_prefix(len(prompt))], dtype=torch.int64)
         return self._generate_foldername_debug(prefix, mm_hashes)
 
+    def on_new_request(self, request: Request) -> None:
+        self._keys[request.request_id] = prompt_keys(request)
+
     def _is_stored(self, prompt: list[int], mm_hashes: list[str]) -> bool:
         if not self.stored_prefix(len(prompt)):
             return False
@@ -125,7 +144,7 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
-        if not self._is_stored(prompt, [f.identifier for f in request.mm_features]):
+        if not self._is_stored(prompt, prompt_keys(request)):
             return 0, False
         return max(self.stored_prefix(len(prompt)) - num_computed_tokens, 0), False
 
@@ -170,7 +189,7 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
                 GroupedRequestTransfer(
                     request_id,
                     torch.tensor(prompt[: self.stored_prefix(len(prompt))], dtype=torch.int64),
-                    [f.identifier for f in request.mm_features],
+                    prompt_keys(request),
                     is_store=False,
                     rows=rows,
                 )
@@ -193,7 +212,7 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
         progress: list[tuple[str, int]] = []
         for new_req in scheduler_output.scheduled_new_reqs:
             prompt = list(new_req.prompt_token_ids or [])
-            mm_hashes = [f.identifier for f in new_req.mm_features]
+            mm_hashes = self._keys.get(new_req.req_id) or [f.identifier for f in new_req.mm_features]
             if not self.stored_prefix(len(prompt)) or self._is_stored(prompt, mm_hashes):
                 continue
             block_ids = [list(ids) for ids in new_req.block_ids]
@@ -237,6 +256,7 @@ class GroupedExampleConnector(ExampleConnector, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._storing.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
         return False, None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
