@@ -860,3 +860,47 @@ def test_what_a_request_wrote_before_it_failed_on_the_workers_is_neither_cached_
     assert h.observations[-1].new_request_cached_tokens["B"] == 2 * BLOCK, "B's hit is S's pages alone"
     h.run_until_done()
     assert h.hisparse.pages_withdrawn > 0
+
+
+def test_a_failure_reported_after_its_request_finished_still_withdraws_what_it_wrote(model):
+    """On CUDA a step's report comes a step or more late (two here, for every step), so R
+    may have finished before the report of its failed last step arrives: what it wrote
+    was left cached and published. HiSparse keeps an ended request's writes until every
+    step it was scheduled in is reported, and withdraws them then."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=128, report_delay=2,
+    )  # fmt: skip
+    shared = prompt(1, 2 * BLOCK)
+    h.add_request(shared, max_tokens=1, request_id="S")
+    h.run_until_done()
+    tokens = shared + prompt(2, 202)
+    make_output = h.model_runner_output
+    failed_at: list[int] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        step = len(h.observations)
+        request = h.requests["R"]
+        if "R" in scheduler_output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
+            failed_at.append(step)  # R's last step: its report comes two steps later
+        if failed_at and step == failed_at[0] + 2:
+            out.hisparse_failed = {"R": "its selections were not in the host pool"}
+        return out
+
+    h.model_runner_output = output
+    r = h.add_request(tokens, max_tokens=1, request_id="R")
+    h.run_until_done()
+    h.step()
+    h.step()
+    assert failed_at and r.status == RequestStatus.FINISHED_LENGTH_CAPPED, "R finished before the report"
+    pool = h.hisparse.residency.host_pool
+    assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1]
+    h.model_runner_output = make_output
+    h.add_request(tokens, max_tokens=2, request_id="B")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["B"] == 2 * BLOCK, "B's hit is S's pages alone"
+    h.run_until_done()
+    for _ in range(3):  # an idle engine's steps, until B's reports are in
+        h.step()
+    assert not h.hisparse._ended_writes, "kept only until the workers reported their steps"

@@ -413,3 +413,92 @@ def test_registering_a_history_in_the_page_layout_keeps_no_object_per_page():
     pages, objects = kept[0]
     assert pages >= (len(tokens) - 1) // PAGE - 1, "the history hit the prefix cache and registered at once"
     assert objects < pages / 2, f"{objects} objects kept for {pages} pages"
+
+
+def test_without_prefix_caching_the_page_layout_runs_and_publishes_nothing():
+    """Without prefix caching vLLM hashes in the scheduler's block (a resident block, wider
+    than the page): no page has a hash of its own, so none is published."""
+    with page_layout.layout("page"):
+        h = sh.SchedulerHarness.create(
+            num_blocks=600, attention_config=HISPARSE, max_num_batched_tokens=256, max_num_seqs=8,
+            enable_prefix_caching=False,
+        )  # fmt: skip
+    request = h.add_request(prompt(1, 700), max_tokens=4)
+    h.run_until_done(max_steps=100)
+    assert request.num_output_tokens == 4 and h.hisparse.stats()["pages_copied_to_host"] > 0
+    assert all(h.hisparse.residency.host_pool.lookup(x) is None for x in request.block_hashes)
+
+
+def loading_consumer(tmp_path, async_scheduling: bool = False) -> sh.SchedulerHarness:
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)}, kv_load_failure_policy="recompute",
+    )  # fmt: skip
+    with page_layout.layout("page"):
+        return sh.SchedulerHarness.create(
+            num_blocks=600, attention_config=HISPARSE, max_num_batched_tokens=4096, max_num_seqs=8,
+            max_model_len=4096, kv_transfer_config=transfer, async_scheduling=async_scheduling,
+        )  # fmt: skip
+
+
+def stored(h: sh.SchedulerHarness, tokens: list[int]) -> None:
+    import os
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import COMPLETE_MARKER
+
+    folder = h.scheduler.connector.prompt_folder(tokens, [])
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, COMPLETE_MARKER), "w").close()
+
+
+def test_a_hit_inside_a_resident_block_a_load_fills_in_the_same_step_copies_none_of_it(tmp_path):
+    """Y's stored prompt loads three resident blocks during this step's forward; S, admitted
+    in the same step, shares Y's first 512 tokens, and its hit ended inside Y's first
+    resident block, taking a copy of it. The workers copy blocks before the connector
+    loads, so the copy read what the load had not written yet. A block a load fills this
+    step is not final: S's hit stops before it."""
+    h = loading_consumer(tmp_path)
+    resident = h.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
+    y = prompt(1, 3 * resident + 10)
+    stored(h, y)
+    h.add_request(y, 4, request_id="Y")
+    h.add_request(y[:resident], 4, request_id="S")
+    output = h.schedule()
+    assert output.num_scheduled_tokens["Y"] == 10, "Y loads its stored prefix in this forward"
+    loaded = set(h.block_ids("Y")[-1][:3])
+    sources = {c.src_block_id for c in output.kv_cache_block_copies or ()}
+    assert not sources & loaded, "a copy reads a resident block before the load writes it"
+    h.scheduler.update_from_output(output, h.model_runner_output(output))
+    h.run_until_done(max_steps=100)
+
+
+def test_a_hit_takes_no_copy_of_a_resident_block_whose_load_is_not_confirmed(tmp_path):
+    """Under asynchronous scheduling S's hit is scheduled before the output of the step
+    that loaded Y's resident block; that load fails. S took a copy of the block, which no
+    failure scan follows (they look for the failed block ids), and kept its unwritten KV
+    as computed. A block of a load not yet confirmed is not final: S takes no copy."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    h = loading_consumer(tmp_path, async_scheduling=True)
+    resident = h.kv_cache_config.kv_cache_groups[-1].kv_cache_spec.block_size
+    y = prompt(1, 3 * resident + 10)
+    stored(h, y)
+    h.add_request(y, 4, request_id="Y")
+    load_step = h.schedule()
+    load_output = h.model_runner_output(load_step)
+    first = h.block_ids("Y")[-1][0]
+    h.add_request(y[:resident], 4, request_id="S")
+    next_step = h.schedule()
+    assert not [c for c in next_step.kv_cache_block_copies or () if c.src_block_id == first]
+    computed = h.requests["S"].num_computed_tokens
+    load_output.kv_connector_output = KVConnectorOutput(invalid_block_ids={first})
+    h.scheduler.update_from_output(load_step, load_output)
+    assert h.requests["Y"].num_computed_tokens == 0, "Y recomputes from its failed block"
+    s_blocks = set(h.block_ids("S")[-1])
+    assert first not in s_blocks or h.requests["S"].num_computed_tokens < computed, (
+        "S counts the failed block's pages computed"
+    )
+    h.scheduler.update_from_output(next_step, h.model_runner_output(next_step))
+    h.run_until_done(max_steps=200)

@@ -342,6 +342,7 @@ class SchedulerHarness:
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         # Copy reports not yet delivered: (the step that delivers them, copy ids).
         self._reports: list[tuple[int, list[int]]] = []
+        self._report_steps: list[tuple[int, int]] = []  # (due step, plan step) not yet reported
         # OffloadingConnector jobs not yet completed: (the step that completes them, job
         # id, the request of a load job or None for a store).
         self._jobs: list[tuple[int, int, str | None]] = []
@@ -517,6 +518,7 @@ class SchedulerHarness:
             sampled_token_ids=sampled,
             kv_connector_output=self._connector_output(scheduler_output),
             hisparse_copied=self._copy_reports(scheduler_output),
+            hisparse_reported_step=self._reported_step(scheduler_output),
         )
 
     def _connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
@@ -603,11 +605,22 @@ class SchedulerHarness:
         if plan is None or not self.runs_hisparse_plans:
             return None
         step = len(self.observations)
+        delay = self.report_delay()
         if plan.copies:
-            self._reports.append((step + self.report_delay(), [c.copy_id for c in plan.copies]))
+            self._reports.append((step + delay, [c.copy_id for c in plan.copies]))
+        self._report_steps.append((step + delay, plan.step))
         due = [ids for at, ids in self._reports if at <= step]
         self._reports = [(at, ids) for at, ids in self._reports if at > step]
+        self._report_steps = [(at, s) for at, s in self._report_steps if at > step]
         return [copy_id for ids in due for copy_id in ids]
+
+    def _reported_step(self, scheduler_output: SchedulerOutput) -> int | None:
+        """The latest plan step every step up to which is reported (a worker collects its
+        reports in order): the one before the oldest still pending."""
+        plan = scheduler_output.hisparse_plan
+        if plan is None or not self.runs_hisparse_plans:
+            return None
+        return min((s for _, s in self._report_steps), default=plan.step + 1) - 1
 
     def step(self) -> StepObservation:
         """One EngineCore step: schedule, synthetic forward, update_from_output. With

@@ -48,6 +48,20 @@ def test_on_cpu_a_step_reports_its_copies_and_counters_at_once():
     assert reports.collect()[0] == [], "reported once"
 
 
+def test_the_reports_say_up_to_which_scheduler_step_everything_is_reported():
+    """A failure can be reported steps late; the scheduler keeps what ended requests wrote
+    until every step they ran in is reported."""
+    reports = StepReports(torch.device("cpu"), min_age=1)
+    counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64)
+    hosts = dict.fromkeys(HOST_COUNTERS, 0)
+    reports.submit([], counts, torch.zeros((), dtype=torch.int64), hosts, step=1, plan_step=7)
+    reports.collect(1)
+    assert reports.reported_plan_step is None, "not reported yet"
+    reports.submit([], counts, torch.zeros((), dtype=torch.int64), hosts, step=2, plan_step=8)
+    reports.collect(2)
+    assert reports.reported_plan_step == 7
+
+
 def test_a_requests_own_error_bits_come_back_by_request_over_the_steps_collected():
     reports = StepReports(torch.device("cpu"))
     counts = torch.zeros(len(DEVICE_COUNTERS), dtype=torch.int64)
@@ -186,7 +200,7 @@ def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report
 
     def run_step(copies):
         worker.begin_step(step)
-        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,))
+        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,), step=0)
         return worker.finish_step(SimpleNamespace())
 
     out = run_step([PageCopy(7, "r", 0, (2,), 1)])
@@ -239,7 +253,7 @@ def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_schedu
 
     def run_step(copies):
         worker.begin_step(step)
-        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,))
+        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,), step=0)
         return worker.finish_step(SimpleNamespace())
 
     out = run_step([PageCopy(7, "r", 0, (2,), 1)])

@@ -14,7 +14,8 @@ decides indices into it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 
 from vllm.v1.hisparse.plan import HostPage
@@ -41,9 +42,11 @@ class HostPagePool:
         # the device's stream order): each free or cached page released since the last
         # settled step -> the latest step scheduled when it was (`allocate_settled`).
         self.track_releases = False
-        self.step_scheduled = 0
-        self.step_settled = 0
+        self.step_scheduled = -1  # steps count from 0
+        self.step_settled = -1
         self._released_at: dict[int, int] = {}
+        # The same by step, oldest first: pruned a step at a time.
+        self._released_steps: deque[tuple[int, list[int]]] = deque()
 
     # -- queries -------------------------------------------------------------
 
@@ -99,9 +102,12 @@ class HostPagePool:
         self.step_settled = max(self.step_settled, step)
 
     def _prune_released(self) -> None:
-        settled, released = self.step_settled, self._released_at
-        if released:
-            self._released_at = {page: step for page, step in released.items() if step > settled}
+        settled, released, steps = self.step_settled, self._released_at, self._released_steps
+        while steps and steps[0][0] <= settled:
+            step, pages = steps.popleft()
+            for page in pages:
+                if released.get(page) == step:
+                    del released[page]
 
     def allocate_settled(self, num_pages: int) -> list[HostPage] | None:
         """`num_pages` pages, each referenced once, none released while a step scheduled
@@ -127,7 +133,9 @@ class HostPagePool:
             (skipped if page in released else taken).append(page)
         never_used.extend(reversed(skipped))
         if len(taken) < num_pages:
-            for page in [p for p in self._evictable if p not in released][: num_pages - len(taken)]:
+            # Pages released since are the most recently used: the scan meets them last.
+            settled = (p for p in self._evictable if p not in released)
+            for page in list(itertools.islice(settled, num_pages - len(taken))):
                 del self._evictable[page]
                 del self._by_hash[self._hash_of.pop(page)]
                 self.evictions += 1
@@ -137,7 +145,18 @@ class HostPagePool:
         return [HostPage(page) for page in taken]
 
     def _note_released(self, page: int) -> None:
-        self._released_at[page] = self.step_scheduled
+        self._note_released_all([page])
+
+    def _note_released_all(self, pages: list[int]) -> None:
+        step = self.step_scheduled
+        if step <= self.step_settled:
+            return  # no step that could read them is in flight
+        steps = self._released_steps
+        if steps and steps[-1][0] == step:
+            steps[-1][1].extend(pages)
+        else:
+            steps.append((step, list(pages)))
+        self._released_at.update(dict.fromkeys(pages, step))
 
     def retain(self, page: int) -> None:
         """Take another reference, reviving a cached copy if nobody held it."""
@@ -205,21 +224,25 @@ class HostPagePool:
     def release_all(self, pages: Iterable[int]) -> None:
         """`release` each of these pages (a request's thousands at its end, in one call)."""
         refs, hash_of, evictable, never_used = self._refs, self._hash_of, self._evictable, self._never_used
-        track, released, step = self.track_releases, self._released_at, self.step_scheduled
-        for page in pages:
-            n = refs.get(page, 0)
-            if n > 1:
-                refs[page] = n - 1
-                continue
-            if n <= 0:
-                raise KeyError(f"host page {page} released more often than retained")
-            del refs[page]
-            if page in hash_of:
-                evictable[page] = None
-            else:
-                never_used.append(page)
-            if track:
-                released[page] = step
+        track, freed = self.track_releases, []
+        try:
+            for page in pages:
+                n = refs.get(page, 0)
+                if n > 1:
+                    refs[page] = n - 1
+                    continue
+                if n <= 0:
+                    raise KeyError(f"host page {page} released more often than retained")
+                del refs[page]
+                if page in hash_of:
+                    evictable[page] = None
+                else:
+                    never_used.append(page)
+                if track:
+                    freed.append(page)
+        finally:
+            if freed:
+                self._note_released_all(freed)
 
     def publish(self, page: int, block_hash: Hashable) -> None:
         """Index a referenced page, whose copy is now durable, by its block hash."""

@@ -354,11 +354,12 @@ class PageHashes(Sequence[Hashable]):
 
 
 def page_hashes(hashes: Sequence[Hashable], hash_block_size: int, page_size: int) -> Sequence[Hashable]:
-    """One hash per page of `page_size` tokens from hashes made every `hash_block_size`."""
+    """One hash per page of `page_size` tokens from hashes made every `hash_block_size`; none
+    (nothing published) where no hash ends at a page's end, or `hash_block_size` is 0."""
     if hash_block_size == page_size:
         return hashes
-    if page_size % hash_block_size:
-        raise ValueError(f"a page of {page_size} tokens is not whole {hash_block_size}-token hash blocks")
+    if hash_block_size <= 0 or page_size % hash_block_size:
+        return ()
     return PageHashes(hashes, page_size // hash_block_size)
 
 
@@ -900,6 +901,18 @@ class ResidencyManager:
             if page is not None and index < len(req.block_hashes):
                 self.host_pool.forget(page, req.block_hashes[index])
         return found
+
+    def withdraw_ended(self, request_id: str, page_hashes: Sequence[Hashable]) -> None:
+        """`withdraw` for a request that has ended: its copies still in flight are not
+        published when they land, and no copy is found under its pages' hashes."""
+        for copy_id in self._orphans:
+            if self._in_flight[copy_id].request_id == request_id:
+                self._orphans[copy_id] = None
+        pool = self.host_pool
+        for block_hash in page_hashes:
+            page = pool.lookup(block_hash)
+            if page is not None:
+                pool.forget(page, block_hash)
 
     def forget_host_copies(self) -> None:
         """vLLM's prefix cache was reset (after a weight update, say): no copy made before

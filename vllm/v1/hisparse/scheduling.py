@@ -88,6 +88,18 @@ def copies_per_step(max_num_batched_tokens: int, block_size: int) -> int:
     return max(MIN_COPIES_PER_STEP, 2 * -(-max_num_batched_tokens // block_size))
 
 
+# Ended requests whose writes are kept for a failure reported late (`_keep_ended_writes`).
+MAX_ENDED_WRITES = 4096
+
+
+class EndedWrites(NamedTuple):
+    """What an ended (or preempted) request wrote, kept until its steps are reported."""
+
+    last_step: int  # the latest step it was scheduled in
+    blocks: list[tuple[int, Any]]  # its blocks from its first written page, with their hashes then
+    page_hashes: list[Any]  # its complete pages' hashes from that page on
+
+
 class UnconfirmedLoad(NamedTuple):
     """A KV connector's load during a step's forward, until that step's output confirms it."""
 
@@ -170,8 +182,12 @@ class HiSparseScheduling:
         self._loads_this_step: dict[str, int] = {}
         self._unconfirmed_loads: dict[str, UnconfirmedLoad] = {}
         # The tokens each request had computed before the earliest step it was scheduled
-        # in: what a step that fails on the workers cannot have written (`_withdraw`).
-        self._first_written: dict[str, int] = {}
+        # in (what a step that fails on the workers cannot have written, `_withdraw`), and
+        # the latest step it was scheduled in: request -> [tokens, step].
+        self._first_written: dict[str, list[int]] = {}
+        # What requests that ended (or were preempted) wrote, until the workers have
+        # reported every step they were scheduled in (a failure may be reported late).
+        self._ended_writes: dict[str, EndedWrites] = {}
         # Their pages' blocks (the first sparse-MLA group's), by the step that loads them:
         # upstream caches a load's blocks when it allocates them, so another request's prefix
         # hit can share them before the load is confirmed.
@@ -202,7 +218,8 @@ class HiSparseScheduling:
         self.staging_rows_short = 0
         self.enable_caching = self.kv_cache_manager.enable_caching
         # Host prefix hits need page-sized hashes (the hash block is the page).
-        self.hash_block_size = scheduler.hash_block_size
+        # Without prefix caching nothing is published (and vLLM may hash in larger blocks).
+        self.hash_block_size = scheduler.hash_block_size if self.enable_caching else 0
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
         self.issue_plans = True
         self.import_kind = import_kind(scheduler.connector)
@@ -514,7 +531,9 @@ class HiSparseScheduling:
         """The request finished, was aborted or preempted: before its blocks are freed."""
         self.admissions.release(request.request_id)
         self._unpublished_imports.pop(request.request_id, None)
-        self._first_written.pop(request.request_id, None)
+        written = self._first_written.pop(request.request_id, None)
+        if written is not None and self.issue_plans:
+            self._keep_ended_writes(request, *written)
         self._return_staging(request.request_id)
         self._unplaced.discard(request.request_id)
         self._evict_host_backed_first(request)
@@ -589,10 +608,19 @@ class HiSparseScheduling:
 
     def _blocks_written(self) -> set[int]:
         """The blocks outside the sparse-MLA groups that running requests may write from this
-        step on: each one's blocks from the one holding its next token."""
+        step on: each one's blocks from the one holding its next token, or its first token
+        a KV connector loads in this step's forward (its computed tokens count them, while
+        the workers copy blocks before the load); and the blocks of loads whose step's
+        output has not confirmed them (async scheduling: a copy made now would keep what a
+        failed load left unwritten, where no failure scan looks)."""
         written: set[int] = set()
+        loading = self._loads_this_step
         for request in self.scheduler.running:
-            written.update(self.blocks.blocks_from(request.request_id, request.num_computed_tokens))
+            start = request.num_computed_tokens - loading.get(request.request_id, 0)
+            written.update(self.blocks.blocks_from(request.request_id, start))
+        for load in self._unconfirmed_loads.values():
+            for _, blocks in (*load.pages, *load.after):
+                written.update(blocks)
         return written
 
     def _release_histories_for_admission(self, num_blocks: int) -> int:
@@ -624,8 +652,12 @@ class HiSparseScheduling:
             if request_id not in self._failed:
                 request = scheduler.requests[request_id]
                 before = request.num_computed_tokens - num_tokens
-                if before < first_written.get(request_id, before + 1):
-                    first_written[request_id] = before
+                written = first_written.get(request_id)
+                if written is None:
+                    first_written[request_id] = [before, step]
+                else:
+                    written[0] = min(written[0], before)
+                    written[1] = step
                 self._sync_request(request)
         # A record whose request was not allocated goes back; one waiting for a
         # connector's load keeps everything until the request is scheduled.
@@ -805,6 +837,9 @@ class HiSparseScheduling:
         for request_id, reason in (getattr(output, "hisparse_failed", None) or {}).items():
             self._withdraw(request_id)
             self._fail(request_id, reason)
+        reported_step = getattr(output, "hisparse_reported_step", None)
+        if reported_step is not None and self._ended_writes:
+            self._forget_ended_writes(reported_step)
         reported = getattr(output, "hisparse_copied", None)
         if reported is not None:
             # Any step's output may carry reports, one without a plan too.
@@ -848,14 +883,43 @@ class HiSparseScheduling:
         the prefix cache in every group and the host pool's index, and no copy of those
         pages is published (one in flight included). Requests that already took those
         blocks or copies for their own (a prefix hit in the meantime) are not followed."""
-        first = self._first_written.get(request_id)
-        if first is None or self.scheduler.requests.get(request_id) is None:
+        ended = self._ended_writes.pop(request_id, None)
+        if ended is not None:  # it ended, or was preempted, before the report came
+            pool = self.kv_cache_manager.block_pool.blocks
+            still = {b for b, block_hash in ended.blocks if pool[b].block_hash == block_hash}
+            self.kv_cache_manager.evict_blocks(still)
+            self.residency.withdraw_ended(request_id, ended.page_hashes)
+            self.pages_withdrawn += len(ended.page_hashes)
+        written = self._first_written.get(request_id)
+        if written is None or self.scheduler.requests.get(request_id) is None:
             return
-        first_page = first // self.block_size
+        first_page = written[0] // self.block_size
         self.residency.withdraw(request_id, first_page)
         evicted: set[int] = set(self.blocks.blocks_from_page(request_id, first_page))
         self.kv_cache_manager.evict_blocks(evicted)
         self.pages_withdrawn += max(0, self.blocks.num_table_pages(request_id) - first_page)
+
+    def _keep_ended_writes(self, request: Request, first: int, last_step: int) -> None:
+        """What the request wrote from token `first` on, kept past its end until the workers
+        have reported step `last_step` (`_withdraw` of a late failure): its blocks with the
+        hashes they carry now, and its pages' hashes."""
+        first_page = first // self.block_size
+        pool = self.kv_cache_manager.block_pool.blocks
+        own = self.blocks.blocks_from_page(request.request_id, first_page)
+        blocks = [(b, pool[b].block_hash) for b in own]
+        req = self.residency.requests.get(request.request_id)
+        hashes = list(req.block_hashes[first_page : req.num_complete_pages]) if req is not None else []
+        ended = self._ended_writes
+        ended.pop(request.request_id, None)
+        ended[request.request_id] = EndedWrites(last_step, [b for b in blocks if b[1] is not None], hashes)
+        if len(ended) > MAX_ENDED_WRITES:  # reports that stopped coming: the oldest go
+            del ended[next(iter(ended))]
+
+    def _forget_ended_writes(self, reported_step: int) -> None:
+        """The workers have reported every step up to `reported_step`."""
+        ended = self._ended_writes
+        for request_id in [r for r, e in ended.items() if e.last_step <= reported_step]:
+            del ended[request_id]
 
     def _fail(self, request_id: str, reason: str) -> None:
         """Fail one request, not the engine: it ends with an error when its step's output is
@@ -906,7 +970,7 @@ class HiSparseScheduling:
             # One hash per page, whatever vLLM's hash block (`page_hashes`).
             hashes = page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
             max_tokens = self._max_tokens(request)
-            residency.add_request(request_id, hashes if self.enable_caching else (), max_tokens)
+            residency.add_request(request_id, hashes, max_tokens)
         # What its admission holds passes to residency, page by page in table order.
         record = self.admissions.take(request_id)
         req = residency.requests[request_id]

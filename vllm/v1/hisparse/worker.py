@@ -92,6 +92,7 @@ class _StepReport:
     request_ids: list[str] = field(default_factory=list)
     copies_out: CopiesOut | None = None
     step: int = 0  # the worker's step that submitted it
+    plan_step: int | None = None  # the scheduler's step of its plan
 
     def done(self) -> bool:
         return (self.event is None or self.event.query()) and (
@@ -114,6 +115,8 @@ class StepReports:
         self.device = device
         self.min_age = min_age
         self._pending: deque[_StepReport] = deque()
+        # The scheduler's latest step whose report `collect` has returned.
+        self.reported_plan_step: int | None = None
 
     def submit(
         self,
@@ -124,6 +127,7 @@ class StepReports:
         request_errors: StepRequestErrors | None = None,
         copies_out: CopiesOut | None = None,
         step: int = 0,
+        plan_step: int | None = None,
     ) -> None:
         parts = [device_counts, error.reshape(1)]
         request_ids: list[str] = []
@@ -132,14 +136,16 @@ class StepReports:
             request_ids = request_errors.request_ids
         values = torch.cat(parts)
         if self.device.type != "cuda":
-            report = _StepReport(copies, values, host_counts, None, request_ids, copies_out, step)
+            report = _StepReport(copies, values, host_counts, None, request_ids, copies_out, step, plan_step)
             self._pending.append(report)
             return
         pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         pinned.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append(_StepReport(copies, pinned, host_counts, event, request_ids, copies_out, step))
+        self._pending.append(
+            _StepReport(copies, pinned, host_counts, event, request_ids, copies_out, step, plan_step)
+        )
 
     def pending(self) -> bool:
         """Whether a submitted step's report has not been collected yet."""
@@ -162,6 +168,8 @@ class StepReports:
         pending, latest = self._pending, step - self.min_age if self.min_age else None
         while pending and (latest is None or pending[0].step <= latest) and pending[0].done():
             report = pending.popleft()
+            if report.plan_step is not None:
+                self.reported_plan_step = report.plan_step
             copies.extend(report.copies)
             read = report.device_counts.tolist()
             values, step_error = read[:num_counts], read[num_counts]
@@ -342,7 +350,7 @@ class HiSparseWorker:
             if self.fence_steps and copies_out is not None:
                 self._fences.append((self._step, copies_out))
             self.reports.submit(
-                copies, device_counts, error, host_counts, request_errors, copies_out, step=self._step
+                copies, device_counts, error, host_counts, request_errors, copies_out, self._step, plan.step
             )
         elif not self.reports.pending():
             return output
@@ -354,6 +362,8 @@ class HiSparseWorker:
         output.hisparse_copied = copied
         output.hisparse_counters = counters
         output.hisparse_failed = failed_requests(error_bits, failed)
+        # Every step up to this one is reported: a request's failure can come no later.
+        output.hisparse_reported_step = self.reports.reported_plan_step
         return output
 
     def _run_restores(self, plan: HiSparseStepPlan) -> None:

@@ -37,6 +37,7 @@ hisparse_config. Push mode (NixlPushConnector) is not changed.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -236,8 +237,10 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
         hisparse = vllm_config.attention_config.hisparse_config is not None
         self._managed_groups = hisparse_managed_group_ids(kv_cache_config.kv_cache_groups) if hisparse else ()
         self.declined_sends = 0
-        # Each peer's request read here, until its parameters would have expired: when.
+        # Each peer's request read here, until its parameters would have expired: when; and
+        # the same in order of expiry, for pruning.
         self._reads_taken: dict[tuple[Any, Any], float] = {}
+        self._reads_expiring: deque[tuple[float, tuple[Any, Any]]] = deque()
         self.repeated_reads_refused = 0
 
     def on_new_request(self, request: Request) -> None:
@@ -249,9 +252,12 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
         if params and params.get("do_remote_prefill"):
             key = (params.get("remote_engine_id"), params.get("remote_request_id"))
             now = time.monotonic()
-            if len(self._reads_taken) > 4096:
-                self._reads_taken = {k: t for k, t in self._reads_taken.items() if t > now}
-            if self._reads_taken.get(key, 0.0) > now:
+            taken, expiring = self._reads_taken, self._reads_expiring
+            while expiring and expiring[0][0] <= now:
+                until, old = expiring.popleft()
+                if taken.get(old) == until:
+                    del taken[old]
+            if taken.get(key, 0.0) > now:
                 params["do_remote_prefill"] = False
                 self.repeated_reads_refused += 1
                 logger.warning(
@@ -260,7 +266,8 @@ class HostLandingNixlScheduler(NixlPullConnectorScheduler):
                     request.request_id, key[1], key[0], self.repeated_reads_refused,
                 )  # fmt: skip
             else:
-                self._reads_taken[key] = now + MAX_VALID_S  # the longest a signature lasts
+                taken[key] = now + MAX_VALID_S  # the longest a signature lasts
+                expiring.append((taken[key], key))
         super().on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
