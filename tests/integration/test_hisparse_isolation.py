@@ -791,10 +791,10 @@ def test_a_host_copy_is_found_only_by_its_pages_whole_prefix_with_a_finer_hash_b
 
 
 def test_resetting_the_prefix_cache_forgets_the_host_pools_copies(model):
-    """vLLM resets its prefix cache after a weight update (RLHF's `pause_generation(
-    clear_cache=True)`, the `/reset_prefix_cache` endpoint). The host pool kept its
-    copies indexed, so the same prompt afterwards, computed with the new weights, was made
-    BOTH with copies of the old KV and read them once demoted."""
+    """vLLM resets its prefix cache and its connectors' tiers after a weight update (RLHF's
+    `pause_generation(clear_cache=True)`; the endpoint's `reset_external`). The host pool
+    kept its copies indexed, so the same prompt afterwards, computed with the new weights,
+    was made BOTH with copies of the old KV and read them once demoted."""
     h = SchedulerHarness.create(
         model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024, max_num_batched_tokens=512
     )
@@ -804,7 +804,11 @@ def test_resetting_the_prefix_cache_forgets_the_host_pools_copies(model):
     h.run_until_done()
     old = {residency.host_pool.lookup(a.block_hashes[i]) for i in range(5)}
     assert None not in old, "A's pages were copied to the host pool"
+    # A reset of the device's prefix cache alone keeps the offload tiers, as upstream's
+    # keeps its connectors': the host pool is one.
     assert h.scheduler.reset_prefix_cache()
+    assert residency.host_pool.lookup(a.block_hashes[0]) is not None
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)
     assert all(residency.host_pool.lookup(x) is None for x in a.block_hashes)
     h.add_request(tokens, max_tokens=30, request_id="B")
     for _ in range(6):

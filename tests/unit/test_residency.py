@@ -954,3 +954,29 @@ def test_a_landing_takes_only_host_pages_released_before_the_last_step_whose_out
     again = pool.allocate()  # a copy's allocation does not wait
     assert again in pages[:2] and pool.num_settled == 1, "released after step 5 settled: free at once"
     pool.check()
+
+
+def test_a_held_requests_marked_page_that_rejected_drafts_left_incomplete_awaits_no_copy():
+    """Found by the state machine: r0's pages are marked for demotion under pressure, then
+    rejected drafts make page 1 incomplete again, then r0 is held for a KV connector. The
+    hold unmarked page 1 and put it among the pages awaiting a copy, incomplete."""
+
+    class Draws:
+        def __init__(self, *values):
+            self.values = list(values)
+
+        def draw(self, strategy):
+            return self.values.pop(0)
+
+    machine = ResidencyMachine()
+    machine.setup(num_blocks=8, host_pages=1, hot_rows=64, mode="hybrid", proactive=False, budget=1,
+                  blocks_per_page=1)  # fmt: skip
+    machine.add(max_tokens=None, restore=False, shared_prefix=0)
+    machine.grow(data=Draws("r0"), new_tokens=192)
+    machine.add(max_tokens=None, restore=False, shared_prefix=0)
+    machine.pressure(blocks=1, data=Draws("r1"))
+    machine.reject(data=Draws("r0"), prefilling=False, rejected=65)
+    assert machine.mgr.requests["r0"].pages.demote_when_copied[1], "page 1 was marked"
+    machine.hold(data=Draws("r0"))
+    assert 1 not in machine.mgr.requests["r0"].uncopied
+    machine.invariants_hold()

@@ -693,7 +693,9 @@ class ResidencyManager:
             if page.demote_when_copied:
                 page.demote_when_copied = False
                 self._marked.pop((request_id, index), None)
-                if page.state is PageState.DEVICE and not page.copying:
+                # Only a complete page awaits a copy (rejected drafts may have made a marked
+                # page incomplete again).
+                if page.state is PageState.DEVICE and not page.copying and index < req.num_complete_pages:
                     req.uncopied[index] = None
 
     def set_prefilling(self, request_id: str, prefilling: bool) -> None:

@@ -859,9 +859,10 @@ class HiSparseScheduling:
             self.check_ownership()
 
     def reset_prefix_cache(self) -> None:
-        """vLLM's prefix cache was reset (every block free): the host pool forgets its
-        copies too. Upstream resets for new weights (RLHF) and the
-        `/reset_prefix_cache` endpoint: a copy made before would serve old KV."""
+        """vLLM's prefix cache was reset (every block free) with its connectors' tiers
+        (`reset_connector`: new weights, RLHF's `pause_generation(clear_cache=True)`, the
+        endpoint's `reset_external`): the host pool, an offload tier as theirs are, forgets
+        its copies too. A copy made before would serve old KV."""
         self.residency.forget_host_copies()
         self.admissions.forget_lookups()
 
