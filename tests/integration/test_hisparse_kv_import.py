@@ -822,9 +822,9 @@ def test_a_stored_prompt_is_found_only_by_requests_of_its_own_cache_salt(model, 
     producer.add_request(tokens, max_tokens=1, request_id="stored", cache_salt="tenant-a")
     output = producer.schedule()
     (stored,) = [t for t in output.kv_connector_metadata.requests if t.is_store]
-    assert stored.mm_hashes == ["cache_salt:tenant-a"], "the store is named by its salt"
+    assert stored.mm_hashes == ["cache_salt:8:tenant-a"], "the store is named by its salt"
     h = consumer(model, tmp_path, hisparse=True)
-    folder = h.scheduler.connector.prompt_folder(tokens, ["cache_salt:tenant-a"])
+    folder = h.scheduler.connector.prompt_folder(tokens, ["cache_salt:8:tenant-a"])
     os.makedirs(folder, exist_ok=True)
     open(os.path.join(folder, COMPLETE_MARKER), "w").close()
     for request_id, salt in (("other", "tenant-b"), ("unsalted", None), ("own", "tenant-a")):

@@ -100,10 +100,12 @@ def prompt_keys(request: Request) -> list[str]:
     inputs only, so another tenant's or adapter's request of the same prompt loaded it,
     and with HiSparse its pages landed in the host pool under that request's hashes."""
     keys = [f.identifier for f in request.mm_features]
+    # Each with its length: upstream joins the keys with "-", which a salt may contain.
     if request.cache_salt:
-        keys.append(f"cache_salt:{request.cache_salt}")
+        keys.append(f"cache_salt:{len(request.cache_salt)}:{request.cache_salt}")
     if request.lora_request is not None:
-        keys.append(f"lora:{request.lora_request.lora_name}")
+        name = request.lora_request.lora_name
+        keys.append(f"lora:{len(name)}:{name}")
     return keys
 
 
