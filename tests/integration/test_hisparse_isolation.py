@@ -820,6 +820,19 @@ def test_resetting_the_prefix_cache_forgets_the_host_pools_copies(model):
     h.run_until_done()
 
 
+def after_a_shared_prefix(model: str, report_delay: int) -> tuple[SchedulerHarness, list[int]]:
+    """A harness whose workers report every step `report_delay` steps late, after S computed
+    a two-page prefix; and a prompt of that prefix and 202 tokens more."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024,
+        max_num_batched_tokens=128, report_delay=report_delay,
+    )  # fmt: skip
+    shared = prompt(1, 2 * BLOCK)
+    h.add_request(shared, max_tokens=1, request_id="S")
+    h.run_until_done()
+    return h, shared + prompt(2, 202)
+
+
 @pytest.mark.parametrize("report_delay", [0, 2])
 def test_what_a_request_wrote_before_it_failed_on_the_workers_is_neither_cached_nor_published(
     model, report_delay
@@ -831,14 +844,7 @@ def test_what_a_request_wrote_before_it_failed_on_the_workers_is_neither_cached_
     took them as its hit. Now R's pages from its first own step on leave both (which
     step failed is not known when reports come late), and the pages of its prefix hit
     stay."""
-    h = SchedulerHarness.create(
-        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024,
-        max_num_batched_tokens=128, report_delay=report_delay,
-    )  # fmt: skip
-    shared = prompt(1, 2 * BLOCK)
-    h.add_request(shared, max_tokens=1, request_id="S")
-    h.run_until_done()
-    tokens = shared + prompt(2, 202)
+    h, tokens = after_a_shared_prefix(model, report_delay)
     make_output = h.model_runner_output
     failed_in: list[int] = []
 
@@ -871,14 +877,7 @@ def test_a_failure_reported_after_its_request_finished_still_withdraws_what_it_w
     may have finished before the report of its failed last step arrives: what it wrote
     was left cached and published. HiSparse keeps an ended request's writes until every
     step it was scheduled in is reported, and withdraws them then."""
-    h = SchedulerHarness.create(
-        model=model, num_blocks=400, attention_config=HISPARSE, max_model_len=1024,
-        max_num_batched_tokens=128, report_delay=2,
-    )  # fmt: skip
-    shared = prompt(1, 2 * BLOCK)
-    h.add_request(shared, max_tokens=1, request_id="S")
-    h.run_until_done()
-    tokens = shared + prompt(2, 202)
+    h, tokens = after_a_shared_prefix(model, report_delay=2)
     make_output = h.model_runner_output
     failed_at: list[int] = []
 

@@ -170,6 +170,22 @@ class RecordingCuda:
         return event
 
 
+def step_runner(worker):
+    """A function that runs one worker step whose plan makes `copies` (no request scheduled)."""
+    from types import SimpleNamespace
+
+    step = SimpleNamespace(
+        hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None, num_scheduled_tokens={}
+    )
+
+    def run_step(copies):
+        worker.begin_step(step)
+        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,), step=0)
+        return worker.finish_step(SimpleNamespace())
+
+    return run_step
+
+
 def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report_after_its_event():
     """The writing rank's post-forward copies go to a side stream that first waits for the
     compute stream (the forward wrote the pages), and are reported durable only once the
@@ -194,14 +210,7 @@ def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report
         launched(plan, pages, to_host, error)
 
     worker._copy_pages = copy_pages
-    step = SimpleNamespace(
-        hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None, num_scheduled_tokens={}
-    )
-
-    def run_step(copies):
-        worker.begin_step(step)
-        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,), step=0)
-        return worker.finish_step(SimpleNamespace())
+    run_step = step_runner(worker)
 
     out = run_step([PageCopy(7, "r", 0, (2,), 1)])
     assert cuda.log == [("wait", "copy", "compute"), ("copy", "copy", True, False), ("record", "copy")]
@@ -247,14 +256,7 @@ def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_schedu
     )
     cuda = RecordingCuda()
     worker.copy_stream = PageCopyStream(torch.device("cpu"), cuda=cuda)
-    step = SimpleNamespace(
-        hisparse_plan=None, finished_req_ids=set(), preempted_req_ids=None, num_scheduled_tokens={}
-    )
-
-    def run_step(copies):
-        worker.begin_step(step)
-        worker._plan = SimpleNamespace(copies=copies, mla_group_ids=(0,), step=0)
-        return worker.finish_step(SimpleNamespace())
+    run_step = step_runner(worker)
 
     out = run_step([PageCopy(7, "r", 0, (2,), 1)])
     (event,) = cuda.events
