@@ -907,3 +907,113 @@ def test_a_failure_reported_after_its_request_finished_still_withdraws_what_it_w
     for _ in range(3):  # an idle engine's steps, until B's reports are in
         h.step()
     assert not h.hisparse._ended_writes, "kept only until the workers reported their steps"
+
+
+@pytest.mark.parametrize("report_delay", [0, 2])
+def test_a_request_whose_prefix_hit_took_a_failed_requests_kv_fails_with_it(model, report_delay):
+    """F arrives while R decodes and takes R's prompt pages as its prefix hit; then the
+    workers report that a step of R read wrong rows. R's pages left the prefix cache, but
+    F already held them: it went on answering from KV that R wrote wrong. F fails with R,
+    and a request after both hits only the pages from before R's own steps."""
+    h, tokens = after_a_shared_prefix(model, report_delay)
+    make_output = h.model_runner_output
+    report_failure: list[bool] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        if report_failure and "R" in scheduler_output.num_scheduled_tokens:
+            out.hisparse_failed = {"R": "its selections were not in the host pool"}
+            report_failure.clear()
+        return out
+
+    h.model_runner_output = output
+    r = h.add_request(tokens, max_tokens=20, request_id="R")
+    while r.num_computed_tokens < len(tokens):
+        h.step()
+    f = h.add_request(tokens, max_tokens=20, request_id="F")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["F"] == 5 * BLOCK, "F's hit takes R's pages"
+    report_failure.append(True)
+    h.run_until_done()
+    assert r.status == RequestStatus.FINISHED_ERROR
+    assert f.status == RequestStatus.FINISHED_ERROR, "F answered from the KV R wrote wrong"
+    assert h.hisparse.stats()["requests_failed"] == 2
+    h.model_runner_output = make_output
+    h.add_request(tokens, max_tokens=2, request_id="G")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["G"] == 2 * BLOCK, "G's hit is S's pages alone"
+    h.run_until_done()
+
+
+def test_a_request_that_took_an_ended_requests_kv_before_its_late_failure_fails_with_it(model):
+    """R finishes; F takes R's pages as its prefix hit; two steps after R's last step its
+    report says that step read wrong rows. What R wrote leaves the prefix cache and the
+    host pool, and F, which holds R's blocks, fails too."""
+    h, tokens = after_a_shared_prefix(model, report_delay=2)
+    make_output = h.model_runner_output
+    failed_at: list[int] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        step = len(h.observations)
+        request = h.requests["R"]
+        if "R" in scheduler_output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
+            failed_at.append(step)
+        if failed_at and step == failed_at[0] + 2:
+            out.hisparse_failed = {"R": "its selections were not in the host pool"}
+        return out
+
+    h.model_runner_output = output
+    r = h.add_request(tokens, max_tokens=1, request_id="R")
+    while not r.is_finished():
+        h.step()
+    f = h.add_request(tokens, max_tokens=8, request_id="F")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["F"] == 5 * BLOCK, "F's hit takes R's pages"
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(h.observations) <= failed_at[0] + 2, (
+        "R finished, and F took its pages, before the report"
+    )
+    h.run_until_done()
+    assert f.status == RequestStatus.FINISHED_ERROR, "F answered from the KV R wrote wrong"
+    pool = h.hisparse.residency.host_pool
+    assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1]
+
+
+def test_a_request_backed_by_a_failed_requests_host_copies_fails_with_it(model):
+    """R's own pages are in the host pool and no longer in the device's prefix cache, so F
+    computes them again and takes R's copies as theirs in the host pool (no copy of its
+    own is made). Then the workers report that a step of R read wrong rows: F, which
+    would read those copies once its pages are demoted, fails with R. (F shares no device
+    block with R here.)"""
+    h, tokens = after_a_shared_prefix(model, report_delay=0)
+    make_output = h.model_runner_output
+    report_failure: list[bool] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        if report_failure and "R" in scheduler_output.num_scheduled_tokens:
+            out.hisparse_failed = {"R": "its selections were not in the host pool"}
+            report_failure.clear()
+        return out
+
+    h.model_runner_output = output
+    r = h.add_request(tokens, max_tokens=30, request_id="R")
+    pool = h.hisparse.residency.host_pool
+    while r.num_computed_tokens < len(tokens) or pool.lookup(r.block_hashes[4]) is None:
+        h.step()
+    r_copies = {pool.lookup(r.block_hashes[i]) for i in range(2, 5)}
+    h.kv_cache_manager.evict_blocks({b for table in h.block_ids("R") for b in table[2:]})
+    f = h.add_request(tokens, max_tokens=20, request_id="F")
+    while "F" not in h.hisparse.residency.requests or not r_copies <= set(
+        h.hisparse.residency.requests["F"].pages.host_page
+    ):
+        h.step()
+        assert f.num_computed_tokens < len(tokens) + 2, "F's pages are not backed by R's copies"
+    r_own = {b for table in h.block_ids("R") for b in table[2:]}
+    assert not {b for table in h.block_ids("F") for b in table} & r_own, "F shares no block R wrote"
+    report_failure.append(True)
+    h.run_until_done()
+    assert r.status == RequestStatus.FINISHED_ERROR
+    assert f.status == RequestStatus.FINISHED_ERROR, "F answered from copies of the KV R wrote wrong"
+    assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1]
+    assert pool.num_referenced == 0

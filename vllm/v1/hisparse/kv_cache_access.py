@@ -372,6 +372,20 @@ class KVCacheBlockAccess:
                             pages[position] = BlockId(block.block_id)
         return pages
 
+    def first_pages_holding(self, block_ids: set[int]) -> dict[str, int]:
+        """Request -> the first page of its table held by one of these blocks, in any group
+        (a resident block's first page), for every request whose table holds one."""
+        page = self._mla[0].block_size
+        found: dict[str, int] = {}
+        for manager in self._groups:
+            per_block = manager.block_size // page
+            for request_id, blocks in manager.req_to_blocks.items():
+                for index, block in enumerate(blocks):
+                    if block.block_id in block_ids:
+                        found[request_id] = min(found.get(request_id, index * per_block), index * per_block)
+                        break
+        return found
+
     def blocks_from_page(self, request_id: str, first: int) -> set[BlockId]:
         """The request's blocks, in every group, that hold page `first` or a later one (a
         resident block holding it holds earlier pages too); the null block left out."""

@@ -235,7 +235,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "requests_failed",
     ),
     "vllm:hisparse_pages_withdrawn": (
-        "Pages a request failed on the workers had written, taken out of the prefix cache and the host pool.",
+        "Pages a request failed on the workers had written (or a request that took them had), "
+        "taken out of the prefix cache and the host pool.",
         "pages_withdrawn",
     ),
     "vllm:hisparse_bytes_to_host": (

@@ -904,17 +904,21 @@ class ResidencyManager:
                 self.host_pool.forget(page, req.block_hashes[index])
         return found
 
-    def withdraw_ended(self, request_id: str, page_hashes: Sequence[Hashable]) -> None:
+    def withdraw_ended(self, request_id: str, page_hashes: Sequence[Hashable]) -> list[HostPage]:
         """`withdraw` for a request that has ended: its copies still in flight are not
-        published when they land, and no copy is found under its pages' hashes."""
+        published when they land, and no copy is found under its pages' hashes. The host
+        pages that were found under them."""
         for copy_id in self._orphans:
             if self._in_flight[copy_id].request_id == request_id:
                 self._orphans[copy_id] = None
         pool = self.host_pool
+        found = []
         for block_hash in page_hashes:
             page = pool.lookup(block_hash)
             if page is not None:
                 pool.forget(page, block_hash)
+                found.append(page)
+        return found
 
     def forget_host_copies(self) -> None:
         """vLLM's prefix cache was reset (after a weight update, say): no copy made before

@@ -835,8 +835,7 @@ class HiSparseScheduling:
             if name in counts:
                 counts[name] = max(counts[name], value) if name.startswith("max_") else counts[name] + value
         for request_id, reason in (getattr(output, "hisparse_failed", None) or {}).items():
-            self._withdraw(request_id)
-            self._fail(request_id, reason)
+            self._withdraw_with_followers(request_id, reason)
         reported_step = getattr(output, "hisparse_reported_step", None)
         if reported_step is not None and self._ended_writes:
             self._forget_ended_writes(reported_step)
@@ -876,29 +875,68 @@ class HiSparseScheduling:
         self._failed.clear()
         return failed
 
-    def _withdraw(self, request_id: str) -> None:
+    def _withdraw_with_followers(self, request_id: str, reason: str) -> None:
+        """Fail the request and withdraw what it wrote (`_withdraw`), and do the same for
+        every request that took any of it for its own in the meantime (a prefix hit on its
+        blocks, or on its host copies, before the report came), from the first page it
+        took, and for theirs in turn: they read the same wrong KV."""
+        failing: list[tuple[str, str, int | None]] = [(request_id, reason, None)]
+        seen = {request_id}
+        while failing:
+            failed_id, why, first_page = failing.pop()
+            blocks, host_pages = self._withdraw(failed_id, first_page)
+            self._fail(failed_id, why)
+            if not blocks and not host_pages:
+                continue
+            followers = self.blocks.first_pages_holding(blocks) if blocks else {}
+            if host_pages:
+                for other, req in self.residency.requests.items():
+                    for index, page in enumerate(req.pages.host_page):
+                        if page is not None and page in host_pages:
+                            followers[other] = min(followers.get(other, index), index)
+                            break
+            for follower, first in sorted(followers.items()):
+                request = self.scheduler.requests.get(follower)
+                if follower in seen or request is None or request.is_finished():
+                    continue
+                seen.add(follower)
+                took = f"its prefix hit took KV of request {failed_id}, which failed"
+                failing.append((follower, took, first))
+
+    def _withdraw(self, request_id: str, first_page: int | None = None) -> tuple[set[int], set[HostPage]]:
         """A step of the request failed on the workers: its attention read wrong rows, and
         the KV it wrote from then on is wrong past the first layer that did. Which step
         is not known (a CUDA report comes a step or more late), so everything the request
-        wrote itself, from the first page of the earliest step it was scheduled in, leaves
-        the prefix cache in every group and the host pool's index, and no copy of those
-        pages is published (one in flight included). Requests that already took those
-        blocks or copies for their own (a prefix hit in the meantime) are not followed."""
+        wrote itself, from the first page of the earliest step it was scheduled in (or
+        from `first_page`, where it is earlier: a follower's prefix hit on a failed
+        request's KV), leaves the prefix cache in every group and the host pool's index,
+        and no copy of those pages is published (one in flight included). The blocks and
+        host pages withdrawn: another request that holds one took it as its prefix hit in
+        the meantime."""
+        blocks: set[int] = set()
+        host_pages: set[HostPage] = set()
         ended = self._ended_writes.pop(request_id, None)
         if ended is not None:  # it ended, or was preempted, before the report came
             pool = self.kv_cache_manager.block_pool.blocks
             still = {b for b, block_hash in ended.blocks if pool[b].block_hash == block_hash}
             self.kv_cache_manager.evict_blocks(still)
-            self.residency.withdraw_ended(request_id, ended.page_hashes)
+            blocks |= still
+            host_pages.update(self.residency.withdraw_ended(request_id, ended.page_hashes))
             self.pages_withdrawn += len(ended.page_hashes)
         written = self._first_written.get(request_id)
-        if written is None or self.scheduler.requests.get(request_id) is None:
-            return
-        first_page = written[0] // self.block_size
-        self.residency.withdraw(request_id, first_page)
+        if self.scheduler.requests.get(request_id) is None:
+            return blocks, host_pages
+        if written is not None:
+            own = written[0] // self.block_size
+            first_page = own if first_page is None else min(first_page, own)
+        if first_page is None:
+            return blocks, host_pages
+        host_pages.update(self.residency.withdraw(request_id, first_page))
         evicted: set[int] = set(self.blocks.blocks_from_page(request_id, first_page))
         self.kv_cache_manager.evict_blocks(evicted)
+        blocks |= evicted
         self.pages_withdrawn += max(0, self.blocks.num_table_pages(request_id) - first_page)
+        return blocks, host_pages
 
     def _keep_ended_writes(self, request: Request, first: int, last_step: int) -> None:
         """What the request wrote from token `first` on, kept past its end until the workers
