@@ -488,13 +488,22 @@ def test_the_ownership_check_sees_a_host_page_both_free_and_referenced(model):
 
 
 def offloading_harness(
-    model: str, engine_id: str, report_delay: int, mode: str = "hybrid"
+    model: str, engine_id: str, report_delay: int, mode: str = "hybrid", beside: tuple[str, ...] | None = None
 ) -> SchedulerHarness:
-    """HiSparse with the OffloadingConnector (a 32 MiB CPU tier) in a 20 MiB device pool."""
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", engine_id=engine_id,
-        kv_connector_extra_config={"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
-    )  # fmt: skip
+    """HiSparse with the OffloadingConnector (a 32 MiB CPU tier) in a 20 MiB device pool;
+    with `beside`, inside a MultiConnector, after the connectors named there."""
+    offloading = {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
+    }  # fmt: skip
+    if beside is None:
+        transfer = KVTransferConfig(**offloading, engine_id=engine_id)
+    else:
+        connectors = [{"kv_connector": name, "kv_role": "kv_both"} for name in beside] + [offloading]
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector", kv_role="kv_both", engine_id=engine_id,
+            kv_connector_extra_config={"connectors": connectors},
+        )  # fmt: skip
     return SchedulerHarness.create(
         model=model, memory_bytes=20 << 20, max_model_len=1024,
         attention_config={"hisparse_config": {**HISPARSE["hisparse_config"], "mode": mode}},
@@ -502,13 +511,16 @@ def offloading_harness(
     )  # fmt: skip
 
 
-def test_a_restore_planned_before_a_connectors_load_stays_the_requests_own(model):
+@pytest.mark.parametrize("beside", [None, (), ("NixlConnector",)], ids=["alone", "multi", "multi-nixl"])
+def test_a_restore_planned_before_a_connectors_load_stays_the_requests_own(model, beside):
     """An OffloadingConnector hit with room on the device: its sparse-MLA pages are restored
     into the hit's blocks, planned with the request's first allocation, while the connector
     loads the indexer's pages asynchronously. Allocated again for its first compute, the
     request keeps those restores: the pages register as BOTH (durable on the host), and
-    nothing copies them to the host again."""
-    h = offloading_harness(model, "restore-test", report_delay=2)
+    nothing copies them to the host again. Inside a MultiConnector (beside a P/D
+    connector, as the docs' P/D with a CPU tier) the same: HiSparse took a MultiConnector
+    for one that loads every group, and its hit ran over sparse-MLA blocks nothing wrote."""
+    h = offloading_harness(model, f"restore-test-{uuid.uuid4().hex}", report_delay=2, beside=beside)
     first_turn = prompt(1, 400)
     h.add_request(first_turn, max_tokens=2, request_id="A1")
     h.run_until_done()

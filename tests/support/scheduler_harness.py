@@ -523,10 +523,38 @@ class SchedulerHarness:
 
     def _connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
         """The KV connector workers' report, for the connectors whose workers the harness plays."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorMetadata,
+            MultiKVConnectorWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = scheduler_output.kv_connector_metadata
+        if isinstance(meta, MultiKVConnectorMetadata):
+            # A MultiConnector's workers: each connector's report, merged as upstream's
+            # aggregation of its workers' reports is (its metadata, one per connector).
+            outputs = [self._connector_output_of(sub) for sub in meta.metadata]
+            if all(out is None for out in outputs):
+                return None
+            merged = KVConnectorOutput(
+                finished_sending=set(),
+                finished_recving=set(),
+                kv_connector_worker_meta=MultiKVConnectorWorkerMetadata(
+                    tuple(out.kv_connector_worker_meta if out is not None else None for out in outputs)
+                ),
+            )
+            for out in outputs:
+                if out is not None:
+                    merged.finished_sending |= out.finished_sending or set()
+                    merged.finished_recving |= out.finished_recving or set()
+                    merged.invalid_block_ids |= out.invalid_block_ids
+            return merged
+        return self._connector_output_of(meta)
+
+    def _connector_output_of(self, meta: Any) -> KVConnectorOutput | None:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 
-        meta = scheduler_output.kv_connector_metadata
         if isinstance(meta, OffloadingConnectorMetadata):
             return self._offloading_output(meta)
         if isinstance(meta, NixlConnectorMetadata) and self.nixl_read_fails is not None:

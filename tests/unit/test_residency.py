@@ -891,7 +891,7 @@ def test_a_waiting_turns_host_copies_are_looked_up_again_only_when_they_may_have
     from types import SimpleNamespace
 
     from vllm.v1.hisparse.admission import Admissions
-    from vllm.v1.hisparse.kv_import import ImportKind
+    from vllm.v1.hisparse.kv_import import ConnectorImports
 
     pool = _CountedPool(16)
     hashes = [f"h{i}" for i in range(12)]
@@ -901,7 +901,7 @@ def test_a_waiting_turns_host_copies_are_looked_up_again_only_when_they_may_have
         SimpleNamespace(host_pool=pool),  # type: ignore[arg-type]
         block_size=16,
         host_prefix_hits=True,
-        import_kind=ImportKind.DEVICE,
+        imports=ConnectorImports(None),
         lease_blocks_for=lambda request: 1,
         plans_issued=lambda: True,
     )

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.hisparse.kv_import import ImportKind
+from vllm.v1.hisparse.kv_import import ConnectorImports, ImportKind
 from vllm.v1.hisparse.plan import BlockId, HostPage, PageIndex, PageRestore
 
 if TYPE_CHECKING:
@@ -103,6 +103,9 @@ class AdmissionCounters:
     # Steps a request spent waiting for room for its hot lease instead of recomputing the
     # host pages of its hit (`waits_for_lease`).
     lease_waits: int = 0
+    # KV connector hits not taken because which of a MultiConnector's connectors loads
+    # them could not be read.
+    hits_refused: int = 0
 
 
 class Admissions:
@@ -115,10 +118,9 @@ class Admissions:
         *,
         block_size: int,
         host_prefix_hits: bool,
-        import_kind: ImportKind,
+        imports: ConnectorImports,
         lease_blocks_for: Callable[[Request], int],
         plans_issued: Callable[[], bool],
-        hit_chunk_tokens: int | None = None,
         release_histories: Callable[[int], int] = lambda num_blocks: 0,
         nothing_runs: Callable[[], bool] = lambda: False,
         chunk_tokens: int = 0,
@@ -130,13 +132,12 @@ class Admissions:
         self.host_pool = residency.host_pool
         self.block_size = block_size
         self.host_prefix_hits = host_prefix_hits
-        self.import_kind = import_kind
+        # Which connector loads a request's hit, and how.
+        self.imports = imports
         self._lease_blocks_for = lease_blocks_for
         self._plans_issued = plans_issued
         # Gives back held histories (oldest first) until this many blocks are free.
         self._release_histories = release_histories
-        # A connector hit may be cut at multiples of this many tokens (None: all or nothing).
-        self.hit_chunk_tokens = hit_chunk_tokens
         # Whether no request runs (nothing else will free blocks for an admission).
         self._nothing_runs = nothing_runs
         # The most tokens a step schedules for one request, and a drafter's lookahead slots.
@@ -144,9 +145,6 @@ class Admissions:
         self.lookahead_tokens = lookahead_tokens
         # The blocks running requests may write from this step on.
         self._written = written
-        # Whether a landing connector can land this request's import in the host pool (set
-        # from the connector's `may_land_import`, where it has one).
-        self.may_land: Callable[[Request], bool] = lambda request: True
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
         # The host copies that waiting turns' walks found past the first page they had no
@@ -735,12 +733,19 @@ class Admissions:
             record = self.begin(request, new_computed_blocks)
         elif num_local_tokens < record.hit_tokens:
             self._cut_walk(record, new_computed_blocks, num_local_tokens)
-        if num_external_tokens <= 0 or not executable or self.import_kind is ImportKind.DEVICE:
+        if num_external_tokens <= 0 or not executable:
+            return new_computed_blocks, num_external_tokens
+        imported = self.imports.of(request.request_id)
+        if imported is None:  # which connector loads it is not known: not taken
+            self.counters.hits_refused += 1
+            return new_computed_blocks, 0
+        if imported.kind is ImportKind.DEVICE:
             return new_computed_blocks, num_external_tokens  # the connector loads every group
-        if self.import_kind is ImportKind.LANDS_ON_HOST:
+        if imported.kind is ImportKind.LANDS_ON_HOST:
             return self._land_import(
-                request, record, new_computed_blocks, num_local_tokens, num_external_tokens
+                request, record, new_computed_blocks, num_local_tokens, num_external_tokens, imported.may_land
             )
+        chunk = imported.chunk_tokens
         if not (self._plans_issued() and self.host_prefix_hits) or num_local_tokens % self.block_size:
             return new_computed_blocks, 0
         end = num_local_tokens + num_external_tokens
@@ -763,7 +768,7 @@ class Admissions:
             elif position < len(hashes):  # else a partial page: never copied
                 host_page = lookup(hashes[position])
             if host_page is None:
-                num_external_tokens = self._cut_hit(hit, num_local_tokens, position * self.block_size)
+                num_external_tokens = self._cut_hit(hit, num_local_tokens, position * self.block_size, chunk)
                 if not num_external_tokens:
                     return new_computed_blocks, 0
                 break
@@ -779,7 +784,7 @@ class Admissions:
             affordable = max(room, 0) // num_other * m if num_other else len(hit)
             if len(hit) > affordable:
                 num_external_tokens = self._cut_hit(
-                    hit, num_local_tokens, num_local_tokens + affordable * self.block_size
+                    hit, num_local_tokens, num_local_tokens + affordable * self.block_size, chunk
                 )
                 if not num_external_tokens:
                     return new_computed_blocks, 0
@@ -829,11 +834,13 @@ class Admissions:
         self.host_pool.retain_all(pages.values())
         return pages
 
-    def _cut_hit(self, hit: dict[PageIndex, HostPage], num_local_tokens: int, held_end: int) -> int:
-        """Cut a connector hit whose host pages end at token `held_end` to the last chunk
-        boundary at or below it; the pages past the cut (looked up, not retained) become the
-        most recently used, as if taken and given back. The hit's new length."""
-        chunk = self.hit_chunk_tokens
+    def _cut_hit(
+        self, hit: dict[PageIndex, HostPage], num_local_tokens: int, held_end: int, chunk: int | None
+    ) -> int:
+        """Cut a connector hit whose host pages end at token `held_end` to the last boundary
+        of `chunk` tokens at or below it (None: the hit cannot be cut, nothing of it stays);
+        the pages past the cut (looked up, not retained) become the most recently used, as
+        if taken and given back. The hit's new length."""
         end = held_end // chunk * chunk if chunk else num_local_tokens
         if end <= num_local_tokens:
             self.host_pool.touch(hit.values())
@@ -853,6 +860,7 @@ class Admissions:
         new_computed_blocks: KVCacheBlocks,
         num_local_tokens: int,
         num_external_tokens: int,
+        may_land: Callable[[Request], bool],
     ) -> tuple[KVCacheBlocks, int]:
         """An import of a connector that loads every group: where its sparse-MLA pages land.
 
@@ -868,7 +876,7 @@ class Admissions:
         walk found no room for is not asked for again). No allocation here
         can evict a page another pending admission will read: those are retained.
         """
-        if not self._plans_issued() or num_local_tokens % self.block_size or not self.may_land(request):
+        if not self._plans_issued() or num_local_tokens % self.block_size or not may_land(request):
             return new_computed_blocks, num_external_tokens
         end = min(num_local_tokens + num_external_tokens, request.num_tokens - 1) // self.block_size
         positions = [PageIndex(p) for p in range(num_local_tokens // self.block_size, end)]

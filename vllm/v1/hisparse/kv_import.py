@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -48,12 +48,72 @@ class ImportKind(enum.Enum):
 
 
 def import_kind(connector: Any) -> ImportKind:
-    """How `connector` (None: no connector) loads a hit, as HiSparse must treat it."""
+    """How `connector` (None: no connector; not a MultiConnector, see `ConnectorImports`)
+    loads a hit, as HiSparse must treat it."""
     if getattr(connector, "hisparse_group_ids", None) is not None:
         return ImportKind.HOST_POOL_GROUPS
     if hasattr(connector, "host_landing"):
         return ImportKind.LANDS_ON_HOST
     return ImportKind.DEVICE
+
+
+def loading_connectors(connector: Any) -> list[Any]:
+    """The connectors that may load a hit: `connector`, or a MultiConnector's, flattened."""
+    if connector is None:
+        return []
+    subs = getattr(connector, "_connectors", None)
+    if subs is None:
+        return [connector]
+    return [leaf for sub in subs for leaf in loading_connectors(sub)]
+
+
+class ConnectorImport(NamedTuple):
+    """How the connector that loads one request's hit loads it."""
+
+    kind: ImportKind
+    # A hit may be cut at multiples of this many tokens (None: all or nothing).
+    chunk_tokens: int | None
+    # Whether a landing connector can land this request's import in the host pool.
+    may_land: Callable[[Any], bool]
+
+
+class ConnectorImports:
+    """Which connector loads a request's hit, and how.
+
+    A MultiConnector asks its connectors in order and lets the first with a hit load it
+    (upstream's `_requests_to_connector`), so with one whose connectors differ in kind (the
+    OffloadingConnector beside a P/D connector) the kind is the chosen one's, request by
+    request. Where the choice cannot be read, the hit is refused (`of` returns None):
+    taking a hit that loads only some groups as one that loads them all would read
+    blocks nothing wrote."""
+
+    def __init__(self, connector: Any) -> None:
+        self._connector = connector
+        self.leaves = loading_connectors(connector)
+        self._imports = {id(leaf): self._import_of(leaf) for leaf in self.leaves}
+        self.kinds = {self._imports[id(leaf)].kind for leaf in self.leaves}
+        self._single = self._imports[id(connector)] if self.leaves == [connector] else None
+
+    @staticmethod
+    def _import_of(leaf: Any) -> ConnectorImport:
+        may_land = getattr(leaf, "may_land_import", None)
+        return ConnectorImport(
+            import_kind(leaf),
+            hit_chunk_tokens(leaf),
+            may_land if may_land is not None else lambda request: True,
+        )
+
+    def of(self, request_id: str) -> ConnectorImport | None:
+        """How the connector that loads `request_id`'s hit loads it; None where unknown."""
+        if self._single is not None:
+            return self._single
+        connector = self._connector
+        while getattr(connector, "_connectors", None) is not None:
+            chosen = getattr(connector, "_requests_to_connector", {}).get(request_id)
+            if not isinstance(chosen, int) or not 0 <= chosen < len(connector._connectors):
+                return None
+            connector = connector._connectors[chosen]
+        return self._imports.get(id(connector))
 
 
 def reads_block_id_snapshot(connector: Any) -> bool:

@@ -128,6 +128,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "KV connector hits cut short where the host pool's pages of them ended (the rest is recomputed).",
         "connector_hits_cut",
     ),
+    "vllm:hisparse_connector_hits_refused": (
+        "KV connector hits not taken because which of a MultiConnector's connectors loads them "
+        "could not be read (the prompt is recomputed).",
+        "connector_hits_refused",
+    ),
     "vllm:hisparse_host_hits_without_lease": (
         "Admission tries whose host pages (a host prefix hit or a KV connector's hit) found no room "
         "for a hot lease: the request waits for room or recomputes the prefix; once per step it tries.",

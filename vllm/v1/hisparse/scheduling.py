@@ -42,7 +42,7 @@ from vllm.v1.hisparse.histories import HeldHistories
 from vllm.v1.hisparse.host_pool import HostPagePool
 from vllm.v1.hisparse.kv_cache_access import KVCacheBlockAccess
 from vllm.v1.hisparse.kv_grouping import hisparse_managed_group_ids
-from vllm.v1.hisparse.kv_import import ImportKind, hit_chunk_tokens, import_kind, reads_block_id_snapshot
+from vllm.v1.hisparse.kv_import import ConnectorImports, ImportKind, import_kind, reads_block_id_snapshot
 from vllm.v1.hisparse.offloading import fence_block_pool_takes
 from vllm.v1.hisparse.ownership import check_ownership, check_plan
 from vllm.v1.hisparse.plan import (
@@ -222,10 +222,11 @@ class HiSparseScheduling:
         self.hash_block_size = scheduler.hash_block_size if self.enable_caching else 0
         self.host_prefix_hits = self.enable_caching and scheduler.hash_block_size == self.block_size
         self.issue_plans = True
-        self.import_kind = import_kind(scheduler.connector)
+        # Which connector loads a request's hit, and how (a MultiConnector's, per request).
+        self.imports = ConnectorImports(scheduler.connector)
         # A connector that lands imports in the host pool writes them outside the device's
         # stream order: host pages released while a step is in flight wait for its output.
-        self.residency.host_pool.track_releases = self.import_kind is ImportKind.LANDS_ON_HOST
+        self.residency.host_pool.track_releases = ImportKind.LANDS_ON_HOST in self.imports.kinds
         # Finished sessions' indexer (and drafter) pages held on the device under pressure.
         self.histories = HeldHistories(self.blocks)
         self.admissions = Admissions(
@@ -233,10 +234,9 @@ class HiSparseScheduling:
             self.residency,
             block_size=self.block_size,
             host_prefix_hits=self.host_prefix_hits,
-            import_kind=self.import_kind,
+            imports=self.imports,
             lease_blocks_for=lambda request: self.residency.lease_blocks_for(self._max_tokens(request)),
             plans_issued=lambda: self.issue_plans,
-            hit_chunk_tokens=hit_chunk_tokens(scheduler.connector),
             release_histories=self._release_histories_for_admission,
             nothing_runs=lambda: not self.scheduler.running,
             chunk_tokens=scheduler.scheduler_config.max_num_batched_tokens,
@@ -250,18 +250,17 @@ class HiSparseScheduling:
         # An OffloadingConnector's store fences the reuse of its blocks: every block the pool
         # hands out, in whichever group or to whichever lease, must be fenced.
         fence_block_pool_takes(scheduler.connector, self.kv_cache_manager.block_pool)
-        if self.import_kind is ImportKind.LANDS_ON_HOST:
-            setattr(scheduler.connector, "host_landing", self.admissions.host_landing)  # noqa: B010
-            may_land = getattr(scheduler.connector, "may_land_import", None)
-            if may_land is not None:
-                self.admissions.may_land = may_land
-        elif self.import_kind is ImportKind.DEVICE and scheduler.connector is not None:
-            logger.info(
-                "Hybrid HiSparse: %s loads imports into device blocks, as upstream; a connector "
-                "that moves blocks between instances needs the same KV cache groups on both "
-                "(give the other instance hisparse_config too)",
-                type(scheduler.connector).__name__,
-            )
+        for leaf in self.imports.leaves:
+            kind = import_kind(leaf)
+            if kind is ImportKind.LANDS_ON_HOST:
+                setattr(leaf, "host_landing", self.admissions.host_landing)  # noqa: B010
+            elif kind is ImportKind.DEVICE:
+                logger.info(
+                    "Hybrid HiSparse: %s loads imports into device blocks, as upstream; a connector "
+                    "that moves blocks between instances needs the same KV cache groups on both "
+                    "(give the other instance hisparse_config too)",
+                    type(leaf).__name__,
+                )
         # Steps x requests observed MIXED / NONE, and rows the workers loaded from host.
         self.request_steps = dict.fromkeys(RequestState, 0)
         # The workers' data path counters (see WORKER_COUNTERS), summed over steps.
@@ -524,7 +523,7 @@ class HiSparseScheduling:
         """The request finished and the KV connector keeps its blocks to send them (a P/D
         producer): none of its pages may leave the device until `release`. The
         OffloadingConnector's groups hold no sparse-MLA page, so its sends need no hold."""
-        if self.import_kind is not ImportKind.HOST_POOL_GROUPS:
+        if self.imports.kinds != {ImportKind.HOST_POOL_GROUPS}:
             self.residency.hold(request.request_id)
 
     def release(self, request: Request) -> None:
@@ -1196,6 +1195,8 @@ class HiSparseScheduling:
             pages_restored=self.admissions.counters.pages_restored,
             # KV connector hits cut to the pages the host pool held of them.
             connector_hits_cut=self.admissions.counters.hits_cut,
+            # KV connector hits refused: which connector loads them was not known.
+            connector_hits_refused=self.admissions.counters.hits_refused,
             # Admission tries whose host pages found no room for a hot lease.
             host_hits_without_lease=self.admissions.counters.hits_without_lease,
             # Steps such a request waited for room instead of recomputing its host pages.
