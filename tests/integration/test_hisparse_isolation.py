@@ -1029,3 +1029,52 @@ def test_a_request_backed_by_a_failed_requests_host_copies_fails_with_it(model):
     assert f.status == RequestStatus.FINISHED_ERROR, "F answered from copies of the KV R wrote wrong"
     assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1]
     assert pool.num_referenced == 0
+
+
+def test_a_connector_hit_stops_before_the_pages_a_failed_request_stored_in_its_tier(model):
+    """R1's prefill step fails on the workers. HiSparse withdraws its sparse-MLA pages, but
+    the OffloadingConnector beside it had stored R1's indexer keys of those pages, and its
+    tier never overwrites a key it holds. R2 computes the prompt again (its pages reach
+    the host pool, the tier keeps R1's keys); R3's connector hit then paired R1's wrong
+    indexer keys with R2's sparse-MLA pages. Now the hit stops before R1's pages."""
+    h = offloading_harness(model, f"withdrawn-tier-{uuid.uuid4().hex}", report_delay=1)
+    tokens = prompt(11, 400)
+    make_output = h.model_runner_output
+    failed: list[int] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        r1 = h.requests.get("R1")
+        if (
+            "R1" in scheduler_output.num_scheduled_tokens
+            and r1.num_computed_tokens >= r1.num_tokens
+            and not failed
+        ):
+            out.hisparse_failed = {"R1": "its selections were not in the host pool"}
+            failed.append(len(h.observations))
+        return out
+
+    h.model_runner_output = output
+    r1 = h.add_request(tokens, max_tokens=3, request_id="R1")
+    h.run_until_done()
+    h.model_runner_output = make_output
+    assert failed and r1.status == RequestStatus.FINISHED_ERROR
+    for _ in range(3):
+        h.step()
+    assert h.kv_cache_manager.reset_prefix_cache(), "only the tiers hold the prompt now"
+    h.add_request(tokens, max_tokens=2, request_id="R2")
+    h.run_until_done()
+    for _ in range(3):
+        h.step()
+    pool = h.hisparse.residency.host_pool
+    assert all(pool.lookup(r1.block_hashes[i]) is not None for i in range(6)), (
+        "R2's pages are in the host pool"
+    )
+    assert h.kv_cache_manager.reset_prefix_cache()
+    h.add_request([*tokens, *prompt(12, 30)], max_tokens=2, request_id="R3")
+    h.step()
+    while "R3" not in h.observations[-1].new_request_cached_tokens:
+        h.step()
+    assert h.observations[-1].new_request_cached_tokens["R3"] == 0, "R3's hit took the keys R1 stored"
+    assert h.hisparse.stats()["connector_hits_refused"] > 0
+    h.run_until_done()

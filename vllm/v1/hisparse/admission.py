@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 # A HOST page inside a resident block, as the walk lists it: one shared object, which the
 # garbage collector does not track (a history's thousands of pages allocate nothing).
 _HOST_PAGE_INSIDE: tuple[None, tuple[()]] = (None, ())
+
+# The most pages whose keys an OffloadingConnector hit is refused (`refuse_connector_pages`):
+# only failed requests add to them (64K pages: 4M tokens).
+MAX_REFUSED_PAGES = 1 << 16
 
 
 @dataclass
@@ -103,8 +107,8 @@ class AdmissionCounters:
     # Steps a request spent waiting for room for its hot lease instead of recomputing the
     # host pages of its hit (`waits_for_lease`).
     lease_waits: int = 0
-    # KV connector hits not taken because which of a MultiConnector's connectors loads
-    # them could not be read.
+    # KV connector hits not taken, or cut short, because which of a MultiConnector's
+    # connectors loads them could not be read, or a failed request stored their keys.
     hits_refused: int = 0
 
 
@@ -147,6 +151,9 @@ class Admissions:
         self._written = written
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
+        # Pages (by hash) whose KV a request that failed on the workers wrote, or computed
+        # past a failed load (`refuse_connector_pages`), oldest first.
+        self._refused: dict[BlockHash, None] = {}
         # The host copies that waiting turns' walks found past the first page they had no
         # lease for (`_waiting_copies`), this step's and the last step's: request ->
         # ((the first page's hash, the pages looked up, host pool evictions then), copies).
@@ -212,6 +219,22 @@ class Admissions:
         for request_id in [rid for rid, record in self._records.items() if not record.allocated]:
             self.release(request_id)
         self._copies_last_step, self._copies_this_step = self._copies_this_step, {}
+
+    def refuse_connector_pages(self, hashes: Iterable[BlockHash]) -> None:
+        """An OffloadingConnector hit stops before these pages from now on. The connector's
+        tier may hold their indexer (and drafter) keys, stored from the same wrong step as
+        the sparse-MLA pages HiSparse withdrew, and never overwrites a key it holds: a hit
+        would pair them with another request's good sparse-MLA pages. The most recent
+        `MAX_REFUSED_PAGES` are kept."""
+        refused = self._refused
+        for block_hash in hashes:
+            refused.pop(block_hash, None)
+            refused[block_hash] = None
+        while len(refused) > MAX_REFUSED_PAGES:
+            del refused[next(iter(refused))]
+
+    def refuses_connector_page(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._refused
 
     def forget_lookups(self) -> None:
         """The host pool forgot its copies (`HostPagePool.forget_all`): no lookup of an
@@ -746,6 +769,16 @@ class Admissions:
                 request, record, new_computed_blocks, num_local_tokens, num_external_tokens, imported.may_land
             )
         chunk = imported.chunk_tokens
+        if self._refused:
+            hashes = request.block_hashes
+            first = num_local_tokens // self.block_size
+            last = min(-(-(num_local_tokens + num_external_tokens) // self.block_size), len(hashes))
+            refused = next((p for p in range(first, last) if hashes[p] in self._refused), None)
+            if refused is not None:
+                self.counters.hits_refused += 1
+                num_external_tokens = self._cut_hit({}, num_local_tokens, refused * self.block_size, chunk)
+                if not num_external_tokens:
+                    return new_computed_blocks, 0
         if not (self._plans_issued() and self.host_prefix_hits) or num_local_tokens % self.block_size:
             return new_computed_blocks, 0
         end = num_local_tokens + num_external_tokens

@@ -129,8 +129,9 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "connector_hits_cut",
     ),
     "vllm:hisparse_connector_hits_refused": (
-        "KV connector hits not taken because which of a MultiConnector's connectors loads them "
-        "could not be read (the prompt is recomputed).",
+        "KV connector hits not taken, or cut short, because which of a MultiConnector's connectors "
+        "loads them could not be read, or a request that failed on the workers stored their keys "
+        "(the rest is recomputed).",
         "connector_hits_refused",
     ),
     "vllm:hisparse_host_hits_without_lease": (

@@ -774,6 +774,10 @@ class HiSparseScheduling:
                 failed = pages[failed_at:] + load.after
                 self._failed_load_blocks.update(b for b, _ in failed if b != null)
                 self.kv_cache_manager.evict_blocks({b for _, blocks in failed for b in blocks} - {null})
+                request = self.scheduler.requests.get(request_id)
+                if request is not None and self.host_prefix_hits:
+                    first = load.first_page + failed_at
+                    self.admissions.refuse_connector_pages(request.block_hashes[first : first + len(failed)])
                 if imports:
                     self._fail(request_id, "its KV connector's load into the host pool failed")
                 continue
@@ -921,6 +925,7 @@ class HiSparseScheduling:
             self.kv_cache_manager.evict_blocks(still)
             blocks |= still
             host_pages.update(self.residency.withdraw_ended(request_id, ended.page_hashes))
+            self.admissions.refuse_connector_pages(ended.page_hashes)
             self.pages_withdrawn += len(ended.page_hashes)
         written = self._first_written.get(request_id)
         if self.scheduler.requests.get(request_id) is None:
@@ -931,6 +936,9 @@ class HiSparseScheduling:
         if first_page is None:
             return blocks, host_pages
         host_pages.update(self.residency.withdraw(request_id, first_page))
+        req = self.residency.requests.get(request_id)
+        if req is not None:
+            self.admissions.refuse_connector_pages(req.block_hashes[first_page : req.num_complete_pages])
         evicted: set[int] = set(self.blocks.blocks_from_page(request_id, first_page))
         self.kv_cache_manager.evict_blocks(evicted)
         blocks |= evicted
