@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -153,7 +153,7 @@ class Admissions:
         self.counters = AdmissionCounters()
         # Pages (by hash) whose KV a request that failed on the workers wrote, or computed
         # past a failed load (`refuse_connector_pages`), oldest first.
-        self._refused: dict[BlockHash, None] = {}
+        self._refused: dict[Hashable, None] = {}
         # The host copies that waiting turns' walks found past the first page they had no
         # lease for (`_waiting_copies`), this step's and the last step's: request ->
         # ((the first page's hash, the pages looked up, host pool evictions then), copies).
@@ -220,7 +220,7 @@ class Admissions:
             self.release(request_id)
         self._copies_last_step, self._copies_this_step = self._copies_this_step, {}
 
-    def refuse_connector_pages(self, hashes: Iterable[BlockHash]) -> None:
+    def refuse_connector_pages(self, hashes: Iterable[Hashable]) -> None:
         """An OffloadingConnector hit stops before these pages from now on. The connector's
         tier may hold their indexer (and drafter) keys, stored from the same wrong step as
         the sparse-MLA pages HiSparse withdrew, and never overwrites a key it holds: a hit
@@ -233,7 +233,7 @@ class Admissions:
         while len(refused) > MAX_REFUSED_PAGES:
             del refused[next(iter(refused))]
 
-    def refuses_connector_page(self, block_hash: BlockHash) -> bool:
+    def refuses_connector_page(self, block_hash: Hashable) -> bool:
         return block_hash in self._refused
 
     def forget_lookups(self) -> None:
