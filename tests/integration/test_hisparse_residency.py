@@ -909,3 +909,43 @@ def test_a_take_skips_the_guarded_blocks_it_reaches_and_leaves_the_others_in_pla
     blocks.give_back(taken)
     blocks.guard_with(tuple)
     assert sorted(blocks.free_queue_ids()) == sorted(queue)
+
+
+def test_a_streaming_input_sessions_lease_covers_the_input_that_comes_after_its_first_chunk(model):
+    """A streaming-input session (`resumable`: AsyncLLM fed an async generator, the realtime
+    API) stops after each chunk and takes the next one in the same request. Its hot lease
+    was sized at registration from its first chunk (100 tokens and 4 more: two pages of
+    a four-page buffer), so once the session grew and was demoted under pressure its HOST
+    rows outnumbered the lease's rows, which the resolver fills past the lease's real
+    blocks. The lease is sized for the model's length instead."""
+    from vllm.v1.hisparse.capacity.engine import make_request
+    from vllm.v1.request import Request, RequestStatus
+
+    h = harness(
+        model, 20, hisparse_config(device_buffer_size=256), max_model_len=4096, max_num_batched_tokens=512
+    )
+    residency = h.hisparse.residency
+
+    def chunk(seed: int, length: int) -> Request:
+        request = make_request(prompt(seed, length), 4, "S", h.block_hasher)
+        request.resumable = True
+        return request
+
+    session = chunk(1, 100)
+    h.scheduler.add_request(session)
+    h.requests["S"] = session
+    while session.status is not RequestStatus.WAITING_FOR_STREAMING_REQ:
+        h.step()
+    for seed in (2, 3, 4):
+        h.scheduler.add_request(chunk(seed, 700))
+        for _ in range(10):
+            h.step()
+    assert session.status is RequestStatus.WAITING_FOR_STREAMING_REQ and session.num_tokens > 2000
+    for seed in range(50, 56):
+        h.add_request(prompt(seed, 900), max_tokens=30)
+    h.run_until_done()
+    assert residency.requests["S"].num_host_pages > 4, "the session was demoted under pressure"
+    assert residency.requests["S"].lease_blocks == residency.hot_lease_blocks
+    h.scheduler.add_request(chunk(9, 40))
+    h.scheduler.finish_requests("S", RequestStatus.FINISHED_ABORTED)
+    h.run_until_done()

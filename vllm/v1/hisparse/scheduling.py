@@ -995,7 +995,11 @@ class HiSparseScheduling:
     # -- state ---------------------------------------------------------------
 
     def _max_tokens(self, request: Request) -> int:
-        """The most tokens the request's context can reach: what its hot lease must cover."""
+        """The most tokens the request's context can reach: what its hot lease must cover. A
+        streaming-input session (`resumable`) takes more input after it stops, in the same
+        request and with the same lease: up to the model's length."""
+        if request.resumable:
+            return self.max_model_len
         return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
 
     def staging_blocks(self) -> list[BlockId]:
