@@ -274,3 +274,55 @@ def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_schedu
         assert fences == [("wait for", "compute", event)], "the step after next waits for the copy"
         assert cuda.log.index(fences[0]) > cuda.log.index(("record", "copy"))
         assert out.hisparse_copied == [7], "reported two steps after its launch"
+
+
+@pytest.mark.parametrize("num_pools", [1, 2])
+def test_with_a_pool_on_each_of_several_nodes_restores_wait_for_every_rank_past_the_fence(num_pools):
+    """A node's other ranks learn that its writer's copy is done only through a collective
+    the writer runs after waiting for it. An idle engine's steps have no forward and no
+    collective, and a step's restores run before its forward: a page copied in step n and
+    restored in step n + 3 after two steps without tokens was read by the other ranks with
+    nothing between them and the writer's copy. A step with restores now meets every rank
+    in a collective of its own, after the fence. With one pool there is nothing to wait
+    for."""
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse.host_memory import PoolShare
+    from vllm.v1.hisparse.page_copy import PageCopyStream
+    from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION, HiSparseStepPlan, PageCopy, PageRestore
+    from vllm.v1.hisparse.pool_placement import PoolPlacement
+    from vllm.v1.hisparse.worker import HiSparseWorker
+
+    layer = "model.layers.0.self_attn.attn"
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})
+    cache = torch.arange(4 * 64 * 8, dtype=torch.float32).reshape(4, 64, 8)
+    placement = PoolPlacement(PoolShare.alone(), writer=True, num_pools=num_pools, node_ranks=(0,))
+    worker = HiSparseWorker(
+        runner, {layer: cache}, group_of_layer={layer: 0}, hot_rows=64, num_host_pages=2, placement=placement
+    )
+    cuda = RecordingCuda()
+    worker.copy_stream = PageCopyStream(torch.device("cpu"), cuda=cuda)
+    worker.node_barrier = lambda: cuda.log.append(("barrier",))
+    launched = worker._copy_pages
+
+    def copy_pages(plan, pages, to_host, error):
+        cuda.log.append(("copy", cuda.current.name, to_host))
+        launched(plan, pages, to_host, error)
+
+    worker._copy_pages = copy_pages
+    run_step = step_runner(worker)
+    run_step([PageCopy(7, "r", 0, (2,), 1)])
+    cuda.events[0].done = True
+    run_step([])
+    run_step([])
+    restore = PageRestore("s", 0, (3,), 1)
+    plan = HiSparseStepPlan(HISPARSE_PLAN_VERSION, 3, (0,), (), (), (restore,), (), (), ())
+    step = SimpleNamespace(hisparse_plan=plan, finished_req_ids=set(), preempted_req_ids=None)
+    worker.begin_step(SimpleNamespace(**vars(step), num_scheduled_tokens={}))
+    assert torch.equal(cache[3], cache[2]), "the restore ran"
+    restored = cuda.log.index(("copy", "compute", False))
+    if num_pools == 1:
+        assert ("barrier",) not in cuda.log
+    else:
+        fenced = cuda.log.index(("wait for", "compute", cuda.events[0]))
+        assert fenced < cuda.log.index(("barrier",)) < restored

@@ -64,7 +64,7 @@ from vllm.v1.hisparse.resolution import (
 from vllm.v1.hisparse.resolver import check_resolution_error, describe_resolution_error
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.hisparse.plan import HiSparseStepPlan, PageCopy, PageRestore
@@ -260,6 +260,8 @@ class HiSparseWorker:
         self.copy_stream = PageCopyStream(first.device)
         self._step = 0
         self._fences: deque[tuple[int, CopiesOut]] = deque()
+        # Several nodes' pools: a step's restores wait for this (`begin_step`).
+        self.node_barrier: Callable[[], None] = lambda: tensor_parallel_barrier(first.device)
         sharing = ""
         if len(placement.node_ranks) > 1:
             role = "written" if self.writes_pages else "read"
@@ -290,6 +292,8 @@ class HiSparseWorker:
                     f"HiSparse plan version {plan.version}, this worker executes version "
                     f"{HISPARSE_PLAN_VERSION}: scheduler and worker builds differ"
                 )
+            if plan.restores and self.num_pools > 1:
+                self.node_barrier()
             self._run_restores(plan)
             self._update_block_tables(plan)
             self.resolution.update(plan.host_pages, plan.leases, plan.staging)
@@ -308,7 +312,12 @@ class HiSparseWorker:
         step n from step n + 3 on; here the writer's step n + 2 waits for that copy before
         anything of it runs, and the node's other ranks, through that forward's
         collectives, before their step n + 3. The copy still runs beside the forward of
-        step n + 1."""
+        step n + 1.
+
+        A step without tokens has no forward and no collective (an idle engine steps while
+        copies are in flight), and a step's restores run before its forward's first
+        collective: a step with restores first meets every rank in a collective of its
+        own (`node_barrier`), after this fence on the writers."""
         oldest = self._step - self.fence_steps
         while self._fences and self._fences[0][0] <= oldest:
             _, copies_out = self._fences.popleft()
@@ -511,6 +520,14 @@ def attach_hisparse_worker(runner: Any, kv_caches: dict[str, torch.Tensor]) -> H
         host_pool_gib=config.host_pool_gib,
         placement=pool_placement(runner.vllm_config),
     )
+
+
+def tensor_parallel_barrier(device: torch.device) -> None:
+    """Every rank of the tensor-parallel group meets in one collective on the current
+    stream: work queued after it on a rank runs after what every rank queued before it."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    get_tp_group().all_reduce(torch.zeros(1, device=device))
 
 
 def _check_layers_resolve(runner: Any, layers: Iterable[str]) -> None:
