@@ -284,9 +284,9 @@ class HostPoolMemory:
         failure: BaseException | None = None
         try:
             if share.creator:
-                if share.path is not None:
-                    # A pool a crash left behind holds RAM the check below would count as used.
-                    remove_stale_pools(share.path.parent)
+                # A pool a crash left behind holds RAM the check below would count as used
+                # (swept by every creator, a private pool's too).
+                remove_stale_pools(share.path.parent if share.path is not None else SHARED_POOL_DIR)
                 self._check_ram(host_pool_gib)
                 if share.path is None:
                     # Private anonymous memory, like any large host allocation (not shmem-backed).
@@ -296,7 +296,7 @@ class HostPoolMemory:
                     mapping = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         except Exception as e:
             failure = e
-        if not share.agree(failure is None):
+        if not self._agree(share, failure is None, fd, mapping):
             self._give_up(share, fd, mapping)
             raise failure or HostPoolMemoryError(
                 f"Hybrid HiSparse: another rank could not create the shared host pool {share.path}"
@@ -314,7 +314,7 @@ class HostPoolMemory:
                 mapping = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         except Exception as e:
             failure = e
-        everyone_mapped = share.agree(failure is None)
+        everyone_mapped = self._agree(share, failure is None, fd, mapping)
         if share.creator and share.path is not None:
             share.path.unlink(missing_ok=True)  # every rank mapped it, or gave up: the name goes
         if not everyone_mapped:
@@ -385,6 +385,17 @@ class HostPoolMemory:
             if staging is not None:
                 staging.unlink(missing_ok=True)
         return fd
+
+    @classmethod
+    def _agree(cls, share: PoolShare, ok: bool, fd: int | None, mapping: mmap.mmap | None) -> bool:
+        """`share.agree(ok)`; where the collective itself fails (a rank died, the start-up
+        was interrupted), this rank gives up as on a failed agreement, so a name it made
+        does not outlive it holding the pool's size in /dev/shm."""
+        try:
+            return share.agree(ok)
+        except BaseException:
+            cls._give_up(share, fd, mapping)
+            raise
 
     @staticmethod
     def _give_up(share: PoolShare, fd: int | None, mapping: mmap.mmap | None) -> None:
