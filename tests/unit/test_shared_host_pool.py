@@ -15,6 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -269,3 +270,71 @@ def test_a_stale_pool_is_removed_before_the_ram_check_it_would_fail(shm_dir, mon
     results = start_ranks(shm_dir / "vllm_hisparse_next_dp0_n0.pool", 2)
     assert isinstance(results[0], HostPoolMemoryError) and "are available" in str(results[0])
     assert not stale.exists()
+
+
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_a_creator_whose_collective_fails_leaves_no_name_behind(shm_dir, failing_call):
+    """The collective itself can fail (another rank died while the creator reserved
+    hundreds of GiB, or the start-up was interrupted): the creator's named pool stayed in
+    /dev/shm at full size until another engine with a shared pool started on the node."""
+    path = shm_dir / "vllm_hisparse_engine_dp0_n0.pool"
+    calls = []
+
+    def agree(ok: bool) -> bool:
+        calls.append(ok)
+        if len(calls) == failing_call:
+            raise RuntimeError("Connection closed by peer")
+        return ok
+
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        HostPoolMemory(SHAPE, torch.float32, register=False, share=PoolShare(path, creator=True, agree=agree))
+    assert not list(shm_dir.iterdir())
+
+
+def test_a_private_pool_also_sweeps_the_pools_a_crash_left(shm_dir, monkeypatch):
+    """A pool a crash left holds its size of /dev/shm; an engine whose pool is its own
+    (one rank a node) sweeps them as a shared pool's creator does."""
+    stale = shm_dir / "vllm_hisparse_dead_dp0_n0.pool"
+    stale.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(host_memory, "SHARED_POOL_DIR", shm_dir)
+    memory = HostPoolMemory(SHAPE, torch.float32, register=False)
+    assert not memory.shared and not stale.exists()
+
+
+def test_a_nodes_ranks_name_its_pool_by_its_writers_engine_key_whatever_their_own(monkeypatch):
+    """Each rank names the node's pool from its own config's instance id, which is one
+    only where the configs were pickled from one process: with torchrun's external
+    launcher each rank builds its own, the creator and the readers computed different
+    names, and start-up failed. The ranks exchange their keys with their nodes, and use
+    their node writer's."""
+    import torch.distributed as dist
+
+    from vllm.distributed import parallel_state
+    from vllm.v1.hisparse import pool_placement
+
+    gathered = [("kernel-a", "key-of-rank-0"), ("kernel-a", "key-of-rank-1"), ("kernel-b", "key-of-rank-2")]
+
+    def all_gather_object(out, mine, group=None):
+        out[:] = gathered if isinstance(mine, tuple) else [True] * len(out)
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    paths = {}
+    for rank in range(3):
+        group = SimpleNamespace(world_size=3, rank_in_group=rank, cpu_group=None)
+        monkeypatch.setattr(parallel_state, "get_tp_group", lambda group=group: group)
+        config = SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=3, data_parallel_rank=0),
+            instance_id=gathered[rank][1],
+        )
+        placement = pool_placement.pool_placement(config)
+        paths[rank] = placement.share.path
+    assert paths[0] == paths[1] == host_memory.shared_pool_path("key-of-rank-0", 0, 0)
+    assert paths[2] is None, "a node of one rank has a private pool"
+
+
+def test_a_node_is_a_kernel_and_its_shared_memory(monkeypatch, tmp_path):
+    from vllm.v1.hisparse import pool_placement
+
+    first = pool_placement.node_id()
+    monkeypatch.setattr(pool_placement, "SHARED_POOL_DIR", tmp_path)
+    assert (os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev) == (pool_placement.node_id() == first)

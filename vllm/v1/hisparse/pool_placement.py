@@ -2,7 +2,7 @@
 """Where the Hybrid HiSparse host pool lives when a model runs on several ranks.
 
 Owns one decision, made once at start-up by every rank of a tensor-parallel
-group together: which ranks share a node (the same running kernel, so the same
+group together: which ranks share a node (the same running kernel and the same
 /dev/shm and RAM), and so map one host pool; which rank of each node creates the
 pool and writes every page into it; how many pools the group has.
 
@@ -28,12 +28,13 @@ scheduler; it only asks the group's ranks where they run.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm.v1.hisparse.host_memory import PoolShare, shared_pool_path
+from vllm.v1.hisparse.host_memory import SHARED_POOL_DIR, PoolShare, shared_pool_path
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -54,12 +55,17 @@ class PoolPlacement:
 
 
 def node_id() -> str:
-    """The running kernel: ranks that share it share /dev/shm and RAM (containers with
-    their own /dev/shm must not run ranks of one group on one kernel)."""
+    """The running kernel and its /dev/shm: ranks that share both share the pool's memory
+    (containers on one kernel with a /dev/shm each are separate nodes here)."""
     try:
-        return BOOT_ID.read_text().strip()
+        kernel = BOOT_ID.read_text().strip()
     except OSError:
-        return socket.gethostname()
+        kernel = socket.gethostname()
+    try:
+        shm = os.stat(SHARED_POOL_DIR).st_dev
+    except OSError:
+        return kernel
+    return f"{kernel}:{shm}"
 
 
 def place_ranks(node_of_rank: list[str], rank: int) -> tuple[tuple[int, ...], int, int]:
@@ -79,9 +85,11 @@ def pool_placement(vllm_config: Any) -> PoolPlacement:
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    node_of_rank: list[Any] = [None] * group.world_size
-    dist.all_gather_object(node_of_rank, node_id(), group=group.cpu_group)
-    node_ranks, node_index, num_pools = place_ranks(node_of_rank, group.rank_in_group)
+    # Each rank's node, and the key it would name its engine's pools by: ranks whose configs
+    # were built apart (torchrun's external launcher) carry different instance ids.
+    placed: list[Any] = [None] * group.world_size
+    dist.all_gather_object(placed, (node_id(), _engine_key(vllm_config)), group=group.cpu_group)
+    node_ranks, node_index, num_pools = place_ranks([node for node, _ in placed], group.rank_in_group)
 
     def agree(ok: bool) -> bool:
         votes: list[Any] = [None] * group.world_size
@@ -92,12 +100,13 @@ def pool_placement(vllm_config: Any) -> PoolPlacement:
     if len(node_ranks) == 1:
         share = PoolShare(None, True, agree)
     else:
-        path = shared_pool_path(_engine_key(vllm_config), parallel.data_parallel_rank, node_index)
+        engine_key = placed[node_ranks[0]][1]  # the node's writer's, for every rank of it
+        path = shared_pool_path(engine_key, parallel.data_parallel_rank, node_index)
         share = PoolShare(path, writer, agree)
     return PoolPlacement(share, writer, num_pools, node_ranks)
 
 
 def _engine_key(vllm_config: Any) -> str:
-    """What names this engine's pools: its instance id, which every rank's config carries."""
+    """What names this engine's pools: its instance id (a node's ranks use its writer's)."""
     key = vllm_config.instance_id or "engine"
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in key)
