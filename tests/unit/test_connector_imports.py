@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from vllm.v1.hisparse.kv_import import ConnectorImports, ImportKind, loading_connectors
 
 
@@ -54,3 +56,50 @@ def test_a_hit_whose_loader_cannot_be_read_is_refused():
     assert imports.of("bad") is None
     no_record = SimpleNamespace(_connectors=[offloading()])
     assert ConnectorImports(no_record).of("any") is None
+
+
+def test_the_registry_of_the_host_pool_lets_a_shut_down_engines_pool_and_connectors_go():
+    """Engines started one after another in one process (an RL loop, tests): the module's
+    registry kept the first engine's pool mapped until the next one registered, so the
+    next engine's RAM check counted it as used, and kept calling the first engine's
+    connectors with every later pool."""
+    import gc
+    import weakref
+
+    import torch
+
+    from vllm.v1.hisparse import kv_import
+    from vllm.v1.hisparse.worker import HiSparseWorker
+
+    class Connector:
+        def __init__(self) -> None:
+            self.seen: list[list[str]] = []
+
+        def register(self, layers) -> None:
+            self.seen.append(sorted(layers))
+
+    def worker(layer: str) -> HiSparseWorker:
+        runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})
+        cache = torch.zeros(4, 64, 8)
+        return HiSparseWorker(
+            runner, {layer: cache}, group_of_layer={layer: 0}, hot_rows=64, num_host_pages=2
+        )
+
+    connector = Connector()
+    kv_import.when_host_pool_registered(connector.register)
+    first = worker("model.layers.0.self_attn.attn")
+    assert connector.seen[-1] == ["model.layers.0.self_attn.attn"]
+    assert (
+        kv_import.host_pool_layer("model.layers.0.self_attn.attn").data_ptr() == first.host_pool[0].data_ptr()
+    )
+    listener = weakref.ref(connector)
+    del first, connector
+    gc.collect()
+    with pytest.raises(KeyError, match="is gone"):
+        kv_import.host_pool_layer("model.layers.0.self_attn.attn")  # a view held the pool's memory
+    assert listener() is None, "the registry held a connector of an engine that is gone"
+    second = worker("model.layers.1.self_attn.attn")
+    assert (
+        kv_import.host_pool_layer("model.layers.1.self_attn.attn").data_ptr()
+        == second.host_pool[0].data_ptr()
+    )

@@ -29,8 +29,10 @@ It never decides where a page lands and never copies.
 from __future__ import annotations
 
 import enum
+import inspect
 import math
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -137,33 +139,61 @@ def hit_chunk_tokens(connector: Any) -> int | None:
     return math.lcm(*(int(group.tokens_per_chunk) for group in groups))
 
 
-_host_pool_layers: dict[str, torch.Tensor] = {}
-_host_pool_listeners: list[Callable[[Mapping[str, torch.Tensor]], None]] = []
+# The worker's host pool, held weakly (the worker owns it: an engine shut down in this
+# process leaves its pool to be freed), and each sparse-MLA layer's index in it.
+_host_pool: weakref.ref[torch.Tensor] | None = None
+_host_pool_index: dict[str, int] = {}
+# Connectors waiting for the pool, held weakly where they are bound methods (a connector
+# gone with its engine is not called with the next engine's pool).
+_host_pool_listeners: list[Callable[[], Callable[[Mapping[str, torch.Tensor]], None] | None]] = []
 
 
-def register_host_pool_layers(layers: Mapping[str, torch.Tensor]) -> None:
-    """The worker's host pool, one [host page, 64 rows, width] view per sparse-MLA layer."""
-    _host_pool_layers.clear()
-    _host_pool_layers.update(layers)
-    for listener in _host_pool_listeners:
-        listener(dict(_host_pool_layers))
+def register_host_pool_layers(pool: torch.Tensor, layer_names: Sequence[str]) -> None:
+    """The worker's host pool, [layer, host page, 64 rows, width], of these sparse-MLA layers."""
+    global _host_pool
+    _host_pool = weakref.ref(pool)
+    _host_pool_index.clear()
+    _host_pool_index.update((name, i) for i, name in enumerate(layer_names))
+    layers = _host_pool_layers()
+    for ref in list(_host_pool_listeners):
+        listener = ref()
+        if listener is None:
+            _host_pool_listeners.remove(ref)
+        else:
+            listener(layers)
+
+
+def _host_pool_layers() -> dict[str, torch.Tensor]:
+    """Each layer's [host page, 64 rows, width] view of the registered pool (none once its
+    worker is gone)."""
+    pool = _host_pool() if _host_pool is not None else None
+    if pool is None:
+        return {}
+    return {name: pool[i] for name, i in _host_pool_index.items()}
 
 
 def when_host_pool_registered(listener: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
     """Call `listener` with the host pool's per-layer views once the worker registers them
     (at once if it already has)."""
-    _host_pool_listeners.append(listener)
-    if _host_pool_layers:
-        listener(dict(_host_pool_layers))
+
+    def kept() -> Callable[[Mapping[str, torch.Tensor]], None]:
+        return listener
+
+    _host_pool_listeners.append(weakref.WeakMethod(listener) if inspect.ismethod(listener) else kept)
+    layers = _host_pool_layers()
+    if layers:
+        listener(layers)
 
 
 def host_pool_layer(layer_name: str) -> torch.Tensor:
     """Layer `layer_name`'s view of the host pool, for rows of a page landed there."""
-    layer = _host_pool_layers.get(layer_name)
-    if layer is None:
+    pool = _host_pool() if _host_pool is not None else None
+    index = _host_pool_index.get(layer_name)
+    if pool is None or index is None:
         raise KeyError(
             f"Hybrid HiSparse: an import landed a page of layer {layer_name} in the host pool, but "
-            f"this worker's pool holds layers {sorted(_host_pool_layers)[:4]}...: the scheduler and "
-            "the worker disagree on the sparse-MLA layers"
+            f"this worker's pool holds layers {sorted(_host_pool_index)[:4]}"
+            f"{'' if pool is not None else ' (and is gone)'}...: the scheduler and the worker "
+            "disagree on the sparse-MLA layers"
         )
-    return layer
+    return pool[index]

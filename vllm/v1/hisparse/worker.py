@@ -239,7 +239,7 @@ class HiSparseWorker:
         )
         self.host_pool = self.host_memory.tensor
         # A KV connector's import lands sparse-MLA pages here (kv_import.py).
-        register_host_pool_layers({name: self.host_pool[i] for i, name in enumerate(self.layers)})
+        register_host_pool_layers(self.host_pool, self.layers)
         self.runner = runner
         self._plan: HiSparseStepPlan | None = None
         self._layer_column: tuple[int, ...] | None = None
