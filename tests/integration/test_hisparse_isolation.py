@@ -1078,3 +1078,23 @@ def test_a_connector_hit_stops_before_the_pages_a_failed_request_stored_in_its_t
     assert h.observations[-1].new_request_cached_tokens["R3"] == 0, "R3's hit took the keys R1 stored"
     assert h.hisparse.stats()["connector_hits_refused"] > 0
     h.run_until_done()
+
+
+def test_spare_staging_blocks_go_straight_to_the_pool_while_frees_are_deferred(model, tmp_path):
+    """A KV consumer with asynchronous scheduling defers frees while a step is in flight.
+    Spare staging blocks went to that deferred queue too, though no step in flight holds
+    them (a step's staging comes back only once its output is in): relief counted them
+    free, then found none, and demoted or preempted for blocks it had."""
+    h = example_consumer(model, tmp_path, memory_mib=8, host_pages=2000, async_scheduling=True)
+    request = h.add_request(prompt(1, 300), max_tokens=20)
+    h.step()
+    blocks = h.hisparse.blocks
+    assert blocks.frees_are_deferred(), "a step is in flight"
+    spare = blocks.take(3)
+    blocks.keep_spare(spare)
+    free_before = h.block_pool.get_num_free_blocks()
+    assert h.hisparse.relieve_pressure(request, 3), "the spare blocks cover the need"
+    assert h.block_pool.get_num_free_blocks() - free_before == 3
+    assert set(spare) <= set(blocks.free_queue_ids())
+    assert h.hisparse.stats()["pages_demoted"] == 0
+    h.run_until_done()

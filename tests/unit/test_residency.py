@@ -956,6 +956,25 @@ def test_a_landing_takes_only_host_pages_released_before_the_last_step_whose_out
     pool.check()
 
 
+def test_a_landings_pages_given_back_unwritten_stay_settled_for_the_next_landing():
+    """A landing took settled pages, but its request was not scheduled (its allocation
+    failed): no connector wrote them and no forward read them. Given back stamped with the
+    step in flight, they could not be landed on in the next step, and that landing went to
+    the device for want of settled pages."""
+    pool = HostPagePool(6)
+    pool.track_releases = True
+    pool.settle(4)
+    pool.step_scheduled = 5
+    taken = pool.allocate_settled(6)
+    assert taken is not None
+    for page in taken:
+        pool.release(page, written=False)
+    assert pool.num_settled == 6, "the next step's landing may take them"
+    pool.release(pool.allocate())  # written (by a copy), released while step 5 may run
+    assert pool.num_settled == 5
+    pool.check()
+
+
 def test_a_held_requests_marked_page_that_rejected_drafts_left_incomplete_awaits_no_copy():
     """Found by the state machine: r0's pages are marked for demotion under pressure, then
     rejected drafts make page 1 incomplete again, then r0 is held for a KV connector. The

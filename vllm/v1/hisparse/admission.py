@@ -217,7 +217,12 @@ class Admissions:
     def end_step(self) -> None:
         """schedule() is over: a record whose request was not allocated goes back."""
         for request_id in [rid for rid, record in self._records.items() if not record.allocated]:
-            self.release(request_id)
+            record = self._records.pop(request_id)
+            # Its landing's pages went to no connector (it was not scheduled): unwritten.
+            for position in record.landed:
+                self.host_pool.release(record.host_pages.pop(position), written=False)
+            record.landed.clear()
+            self.give_back(record)
         self._copies_last_step, self._copies_this_step = self._copies_this_step, {}
 
     def refuse_connector_pages(self, hashes: Iterable[Hashable]) -> None:

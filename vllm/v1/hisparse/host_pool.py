@@ -206,7 +206,10 @@ class HostPagePool:
             if page in evictable:
                 evictable.move_to_end(page)
 
-    def release(self, page: int) -> None:
+    def release(self, page: int, written: bool = True) -> None:
+        """Drop a reference. `written=False`: a page `allocate_settled` handed out that
+        nothing wrote or read since (a landing whose request was not scheduled): it stays
+        settled for the next landing."""
         refs = self._refs.get(page, 0)
         if refs <= 0:
             raise KeyError(f"host page {page} released more often than retained")
@@ -218,7 +221,7 @@ class HostPagePool:
             self._evictable[page] = None
         else:
             self._never_used.append(page)
-        if self.track_releases:
+        if self.track_releases and written:
             self._note_released(page)
 
     def release_all(self, pages: Iterable[int]) -> None:

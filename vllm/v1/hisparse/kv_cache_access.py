@@ -109,10 +109,12 @@ class KVCacheBlockAccess:
         self._spare.extend(block_ids)
 
     def release_spare(self) -> int:
-        """Give every spare block back to the pool; how many."""
+        """Give every spare block back to the pool; how many. Straight to the pool, also
+        while frees are deferred: a spare block's last step has been processed, and no
+        step in flight holds it (a step's staging comes back only once its output is in)."""
         spare, self._spare = self._spare, []
         if spare:
-            self._free(self._blocks(spare))
+            self._pool.free_blocks(self._blocks(spare))
         return len(spare)
 
     def spare_blocks(self) -> list[BlockId]:
