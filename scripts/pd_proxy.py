@@ -33,8 +33,12 @@ instance reach the client with their status and body. When the decode
 instance refuses a request, it tells the prefill instance to free the blocks it
 holds for it (vLLM's rejection notice, sent for parameters this proxy signed);
 when it cannot be reached, the producer frees them after its own timeout
-(VLLM_NIXL_ABORT_REQUEST_TIMEOUT). A client that disconnects mid-answer closes
-the decode call, which aborts the request there.
+(the NixlConnector's `kv_lease_duration`, 30 s by default). A client that
+disconnects mid-answer closes the decode call, which aborts the request there.
+Bodies the two calls would treat differently are refused with 400 before
+either instance is called: n or best_of above 1, truncate_prompt_tokens below 0
+(it cuts by max_tokens, which differs between the calls), stream options only
+the decode call checks, and integers wider than vLLM's engine messages carry.
 
 It is a FastAPI application served by uvicorn, calling the instances with
 httpx (all three ship with vLLM), as vLLM's own example proxies are.
@@ -78,6 +82,51 @@ def _trust():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# The widest integer vLLM's engine messages carry (msgpack): a larger one fails a request
+# only after the server has registered it, which then stays unfinished there.
+INT_RANGE = (-(2**63), 2**64 - 1)
+
+
+def refusal(body: dict) -> str | None:
+    """Why a body must be refused before either instance is called, or None. The prefill
+    call differs from the client's (one token, not streamed), so a body the prefill instance
+    accepts and the decode instance refuses would leave the prefill's blocks held for a
+    read that never comes, and a prompt cut by max_tokens would differ between the two."""
+    truncate = body.get("truncate_prompt_tokens")
+    if isinstance(truncate, int) and truncate < 0:
+        return (
+            "truncate_prompt_tokens below 0 cuts the prompt by max_tokens, which the prefill and "
+            "decode calls set differently: give the number of prompt tokens to keep"
+        )
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            return f"{field} must be a positive integer"
+    streamed = bool(body.get("stream"))
+    if body.get("stream_options") and not streamed:
+        return "stream_options can only be given with stream=true"
+    prompt_logprobs = body.get("prompt_logprobs")
+    if streamed and isinstance(prompt_logprobs, int) and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        return "prompt_logprobs are not available with stream=true"
+    if _out_of_range(body):
+        return f"an integer in the request is outside [{INT_RANGE[0]}, {INT_RANGE[1]}]"
+    return None
+
+
+def _out_of_range(value: object, depth: int = 0) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not INT_RANGE[0] <= value <= INT_RANGE[1]
+    if depth > 64:
+        return True  # nested deeper than any request field
+    if isinstance(value, dict):
+        return any(_out_of_range(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return any(_out_of_range(v, depth + 1) for v in value)
+    return False
 
 
 def _request_id(value: str | None) -> str:
@@ -161,6 +210,9 @@ def build_app(
             # The prefill instance holds one prompt's blocks for one read by the decode
             # instance; n sequences would each read them.
             return error(400, "a disaggregated prefill serves one sequence: n and best_of must be 1")
+        refused = refusal(parsed)
+        if refused:
+            return error(400, refused)
         if state["in_flight"] >= max_concurrency:
             return error(503, f"{max_concurrency} requests in flight; retry", {"Retry-After": "1"})
         state["in_flight"] += 1

@@ -172,3 +172,71 @@ def test_the_proxy_signs_what_the_decode_instance_gets_with_the_shared_secret():
     assert trust.MAC_FIELD in params
     trust.verify(params, SECRET, used=fresh())
     assert {k: params[k] for k in PARAMS} == PARAMS
+
+
+def test_a_remote_prefill_of_a_prompt_of_another_length_is_refused_once_the_prompt_is_rendered(
+    monkeypatch, tmp_path
+):
+    """The proxy calls the prefill instance with max_tokens=1 and the decode instance with
+    the client's: `truncate_prompt_tokens: -1` cuts the two prompts differently, and the
+    decode instance loaded the prefill's KV (of other tokens at other positions) and cached
+    it under its own prompt's hashes for every user. The prefill's prompt length, signed
+    with the rest, must be the rendered prompt's (patch 0016, through vLLM's own input
+    processor)."""
+    from scheduler_harness import SchedulerHarness, tiny_glm5_dir
+
+    from vllm.config import KVTransferConfig
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET.decode())
+    h = SchedulerHarness.create(
+        model=str(tiny_glm5_dir()), memory_bytes=8 << 20, max_model_len=640,
+        kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer"),
+    )  # fmt: skip
+    processor = InputProcessor(h.vllm_config)
+    prompt = {"type": "token", "prompt_token_ids": list(range(10, 16))}
+
+    def process(num_tokens: int):
+        params = dict(PARAMS, remote_num_tokens=num_tokens)
+        sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": trust.sign(params, SECRET)})
+        return processor.process_inputs("r", prompt, sampling, ("generate",))
+
+    with pytest.raises(VLLMClientError, match="prompt of 5 tokens and this instance's prompt has 6"):
+        process(5)
+    assert len(process(6).prompt_token_ids) == 6
+
+
+def test_a_malformed_or_deeply_nested_signature_is_refused_not_an_error():
+    signed = trust.sign(PARAMS, SECRET)
+    for mac in ("é" * 64, "0" * 63, "G" * 64):
+        with pytest.raises(trust.UntrustedKVTransfer, match="malformed"):
+            trust.verify(dict(signed, hisparse_proxy_mac=mac), SECRET, used=fresh())
+    deep: object = 1
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(trust.UntrustedKVTransfer, match="cannot be checked"):
+        trust.verify(dict(signed, extra=deep), SECRET, used=fresh())
+
+
+def test_used_signatures_are_forgotten_as_they_expire():
+    used = fresh()
+    for i in range(5000):
+        assert used.take(f"{i:064x}", expires=1000.0 + i, now=999.0)
+    assert not used.take(f"{4999:064x}", expires=5999.0, now=1500.0), "still unexpired: used once"
+    assert len(used) == 5000 - 500
+    assert used.take(f"{3:064x}", expires=7000.0, now=6500.0), "expired: forgotten"
+    assert len(used) == 1
+
+
+def test_parameters_naming_a_peer_need_the_signature_without_do_remote_prefill_too():
+    """Upstream's do_remote_decode path on a KV consumer also names a peer (an exchange in
+    both directions): unsigned, it made the instance wait for, or read from, a host the
+    client chose."""
+    unsigned = {k: v for k, v in PARAMS.items() if k != "do_remote_prefill"} | {"do_remote_decode": True}
+    with pytest.raises(trust.UntrustedKVTransfer):
+        trust.check_params(CONSUMER, {"kv_transfer_params": unsigned})
+    assert not trust.may_notify_rejection(CONSUMER, unsigned)
+    trust.check_params(CONSUMER, {"kv_transfer_params": {"do_remote_decode": True}})  # the proxy's
+    trust.check_params(PRODUCER, {"kv_transfer_params": unsigned})  # reads from no peer

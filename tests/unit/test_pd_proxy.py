@@ -219,3 +219,28 @@ def test_a_body_over_the_limit_is_refused_unread_and_requests_over_the_concurren
         hold.set()
         for server in (proxy, prefill.server, decode.server):
             server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"prompt": "hi", "max_tokens": 512, "truncate_prompt_tokens": -1}', b"truncate_prompt_tokens"),
+        (b'{"prompt": "hi", "max_tokens": 0}', b"max_tokens must be a positive integer"),
+        (b'{"prompt": "hi", "stream": false, "stream_options": {"include_usage": true}}', b"stream_options"),
+        (b'{"prompt": "hi", "stream": true, "prompt_logprobs": 1}', b"prompt_logprobs"),
+        (b'{"prompt": "hi", "vllm_xargs": {"x": 36893488147419103232}}', b"an integer in the request"),
+    ],
+    ids=["truncate-by-max-tokens", "max-tokens", "stream-options", "streamed-prompt-logprobs", "wide-int"],
+)
+def test_a_body_the_two_calls_would_treat_differently_is_refused_before_any_instance_is_called(
+    proxy_of, body, reason
+):
+    """The prefill call asks for one token, not streamed: a prompt cut by max_tokens differs
+    between the two instances (the decode instance would load KV of other tokens), and a
+    body only the decode instance refuses leaves the prefill's blocks held for a read that
+    never comes. An integer wider than 64 bits fails a request only after each server has
+    registered it, which then stays unfinished there."""
+    url, prefill, decode = proxy_of({"choices": []})
+    status, answer = post(url, body)
+    assert status == 400 and reason in answer
+    assert not prefill.bodies and not decode.bodies

@@ -20,16 +20,21 @@ passed on either: vLLM tells the peer of a request rejected before it reached
 the engine to free its blocks, and does so only for signed parameters here
 (`may_notify_rejection`), so a client cannot make the instance contact a host.
 
-Parameters without `do_remote_prefill` (a producer's `do_remote_decode`, or
-none at all) are not checked here: they steer no read from a peer.
+Parameters that name no peer (a prefill instance's `do_remote_decode` from the
+proxy, or none at all) are not checked here: they steer no read from a peer.
+Once the prompt is rendered, a remote prefill's signed prompt length must be
+this instance's (`check_kv_transfer_prompt`): the KV it loads is of the prefill
+instance's prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping
@@ -43,6 +48,9 @@ DEFAULT_VALID_S = 300.0
 # The longest validity a consumer accepts (a signature cannot be made to last forever).
 MAX_VALID_S = 3600.0
 MIN_SECRET_BYTES = 16
+_HEX_MAC = re.compile(r"[0-9a-f]{64}")
+# Fields that name a peer to read KV from: on a KV consumer only signed ones are acted on.
+PEER_FIELDS = ("remote_host", "remote_port", "remote_engine_id", "remote_request_id", "remote_block_ids")
 
 
 class UntrustedKVTransfer(ValueError):
@@ -89,15 +97,24 @@ class _UsedSignatures:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._until: dict[str, float] = {}
+        # (expiry, signature), soonest first: the expired go at each take, a few at a time.
+        self._expiring: list[tuple[float, str]] = []
 
     def take(self, mac: str, expires: float, now: float) -> bool:
         with self._lock:
-            if len(self._until) > 1024:
-                self._until = {m: t for m, t in self._until.items() if t >= now}
-            if mac in self._until:
+            expiring, until = self._expiring, self._until
+            while expiring and expiring[0][0] < now:
+                _, old = heapq.heappop(expiring)
+                if until.get(old, now) < now:
+                    del until[old]
+            if mac in until:
                 return False
-            self._until[mac] = expires
+            until[mac] = expires
+            heapq.heappush(expiring, (expires, mac))
             return True
+
+    def __len__(self) -> int:
+        return len(self._until)
 
 
 _USED = _UsedSignatures()
@@ -124,10 +141,12 @@ def verify(
             "kv_transfer_params with do_remote_prefill must come from the P/D proxy, signed with "
             f"{SECRET_ENV}; these carry no signature"
         )
+    if not _HEX_MAC.fullmatch(mac):
+        raise UntrustedKVTransfer(f"kv_transfer_params carry a malformed {MAC_FIELD}")
     try:
         expected = _mac(params, secret)
-    except (TypeError, ValueError) as error:
-        raise UntrustedKVTransfer(f"kv_transfer_params cannot be checked: {error}") from None
+    except (TypeError, ValueError, RecursionError) as error:
+        raise UntrustedKVTransfer(f"kv_transfer_params cannot be checked: {type(error).__name__}") from None
     if not hmac.compare_digest(mac, expected):
         raise UntrustedKVTransfer(
             "kv_transfer_params with do_remote_prefill carry a signature this instance does not "
@@ -141,6 +160,12 @@ def verify(
         )
     if used is not None and not used.take(mac, float(expires), now):
         raise UntrustedKVTransfer("kv_transfer_params with do_remote_prefill were already used once")
+
+
+def names_peer(params: Mapping[str, Any]) -> bool:
+    """Whether the parameters name a peer (upstream's `do_remote_decode` path reads from one
+    too, where instances exchange KV both ways)."""
+    return any(field in params for field in PEER_FIELDS)
 
 
 def reads_from_peer(vllm_config: Any) -> bool:
@@ -159,7 +184,7 @@ def check_params(vllm_config: Any, extra_args: dict[str, Any] | None, n: int = 1
         return
     if not isinstance(params, dict):
         raise UntrustedKVTransfer("kv_transfer_params must be a JSON object")
-    if not params.get("do_remote_prefill") or not reads_from_peer(vllm_config):
+    if not reads_from_peer(vllm_config) or not (params.get("do_remote_prefill") or names_peer(params)):
         return
     if n != 1:
         # vLLM would make n requests of one, each reading the peer's blocks, which the peer
@@ -169,6 +194,28 @@ def check_params(vllm_config: Any, extra_args: dict[str, Any] | None, n: int = 1
             f"for n={n}: send n=1 (the P/D proxy's decode call asks for one)"
         )
     verify(params, secret_from_env())
+
+
+def check_remote_prompt(vllm_config: Any, extra_args: dict[str, Any] | None, num_prompt_tokens: int) -> None:
+    """A remote prefill's KV is the prefill instance's prompt's: the prompt here must be as
+    long (UntrustedKVTransfer otherwise). The P/D proxy sends both instances the client's
+    body, but the prefill with max_tokens=1: a truncation that depends on max_tokens
+    (`truncate_prompt_tokens: -1`) cuts the two prompts differently, and this instance
+    would load, and cache under its own prompt's hashes, KV of other tokens at other
+    positions. `remote_num_tokens` (signed with the rest) is the prefill's prompt length."""
+    params = (extra_args or {}).get("kv_transfer_params")
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return
+    if not reads_from_peer(vllm_config):
+        return
+    remote = params.get("remote_num_tokens")
+    if isinstance(remote, int) and not isinstance(remote, bool) and remote != num_prompt_tokens:
+        raise UntrustedKVTransfer(
+            f"the prefill instance computed a prompt of {remote} tokens and this instance's prompt "
+            f"has {num_prompt_tokens}: the KV it would load is of other tokens (a truncation that "
+            "depends on max_tokens, such as truncate_prompt_tokens=-1, or instances that tokenize "
+            "differently); send the request without it"
+        )
 
 
 def check_kv_transfer_params(vllm_config: Any, extra_args: dict[str, Any] | None, n: int = 1) -> None:
@@ -182,13 +229,26 @@ def check_kv_transfer_params(vllm_config: Any, extra_args: dict[str, Any] | None
         raise VLLMValidationError(str(error), parameter="kv_transfer_params") from None
 
 
+def check_kv_transfer_prompt(
+    vllm_config: Any, extra_args: dict[str, Any] | None, num_prompt_tokens: int
+) -> None:
+    """Once the prompt is rendered: `check_remote_prompt`, its refusal raised as vLLM's
+    validation error (a 400 answer; the peer is told to free its blocks)."""
+    try:
+        check_remote_prompt(vllm_config, extra_args, num_prompt_tokens)
+    except UntrustedKVTransfer as error:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(str(error), parameter="kv_transfer_params") from None
+
+
 def may_notify_rejection(vllm_config: Any, params: Any) -> bool:
     """Whether a KV consumer may tell the peer named in a rejected request's
     kv_transfer_params to free the blocks it holds for it (upstream does so for every
     request refused before it reached the engine, which makes the instance contact that
     peer): only when the trusted proxy signed them. The signature may already have been
     accepted once, by the request itself."""
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+    if not isinstance(params, dict) or not (params.get("do_remote_prefill") or names_peer(params)):
         return True
     if not reads_from_peer(vllm_config):
         return True
