@@ -1098,3 +1098,115 @@ def test_spare_staging_blocks_go_straight_to_the_pool_while_frees_are_deferred(m
     assert set(spare) <= set(blocks.free_queue_ids())
     assert h.hisparse.stats()["pages_demoted"] == 0
     h.run_until_done()
+
+
+def failing_once(h: SchedulerHarness, request_id: str) -> list[bool]:
+    """Make the harness's workers report `request_id` failed in the next step that schedules
+    it once True is put in the returned list."""
+    make_output = h.model_runner_output
+    report: list[bool] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        if report and request_id in scheduler_output.num_scheduled_tokens:
+            out.hisparse_failed = {request_id: "its selections were not in the host pool"}
+            report.clear()
+        return out
+
+    h.model_runner_output = output
+    return report
+
+
+def test_on_the_page_layout_a_follower_is_withdrawn_from_the_page_it_took_not_its_resident_blocks_first(
+    model,
+):
+    """The page layout: a resident block holds eight pages of the indexer. F took R's pages
+    as its prefix hit, R's resident block among them, whose first page is page 0: F was
+    withdrawn from page 0, so S's shared prefix pages left the cache, and A, which shares
+    only S's prefix, failed as F's follower."""
+    h = SchedulerHarness.create(
+        model=model, num_blocks=600, max_model_len=2048, max_num_batched_tokens=1024,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.05, "kv_layout": "page"}},
+    )  # fmt: skip
+    assert h.hisparse.blocks.resident_multiple > 1
+    shared = prompt(1, 2 * BLOCK)
+    s = h.add_request(shared + prompt(5, 10), max_tokens=1, request_id="S")
+    h.run_until_done()
+    report = failing_once(h, "R")
+    a = h.add_request(shared + prompt(3, 300), max_tokens=50, request_id="A")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["A"] == 2 * BLOCK, "A shares S's prefix alone"
+    tokens = shared + prompt(2, 10 * BLOCK)
+    r = h.add_request(tokens, max_tokens=50, request_id="R")
+    while r.num_computed_tokens < len(tokens):
+        h.step()
+    f = h.add_request(tokens, max_tokens=50, request_id="F")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["F"] > 2 * BLOCK, "F took R's pages"
+    report.append(True)
+    h.run_until_done()
+    assert r.status == f.status == RequestStatus.FINISHED_ERROR
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED, "A shares nothing R wrote"
+    pool = h.hisparse.residency.host_pool
+    assert not any(pool.is_withdrawn(s.block_hashes[i]) for i in range(2)), "S's prefix is not R's"
+    assert h.hisparse.stats()["requests_failed"] == 2
+
+
+def test_a_request_whose_copies_a_failed_request_only_reused_is_not_failed_with_it(model):
+    """G computes its pages and copies them to the host pool; R computes the same pages
+    again and backs them with G's copies (no copy of its own). R fails on the workers: G,
+    whose KV is its own, failed as R's follower, and G's good copies were forgotten."""
+    h, tokens = after_a_shared_prefix(model, report_delay=0)
+    report = failing_once(h, "R")
+    g = h.add_request(tokens, max_tokens=30, request_id="G")
+    pool = h.hisparse.residency.host_pool
+    while g.num_computed_tokens < len(tokens) or pool.lookup(g.block_hashes[4]) is None:
+        h.step()
+    g_copies = [pool.lookup(g.block_hashes[i]) for i in range(5)]
+    h.kv_cache_manager.evict_blocks({b for table in h.block_ids("G") for b in table[2:]})
+    r = h.add_request(tokens, max_tokens=20, request_id="R")
+    while "R" not in h.hisparse.residency.requests or not set(g_copies[2:]) <= set(
+        h.hisparse.residency.requests["R"].pages.host_page
+    ):
+        h.step()
+        assert r.num_computed_tokens < len(tokens) + 2, "R's pages are not backed by G's copies"
+    report.append(True)
+    h.run_until_done()
+    assert r.status == RequestStatus.FINISHED_ERROR
+    assert g.status == RequestStatus.FINISHED_LENGTH_CAPPED, "G failed for copies R only read"
+    assert [pool.lookup(g.block_hashes[i]) for i in range(5)] == g_copies, "G's copies stay findable"
+
+
+def test_a_follower_that_ended_before_the_report_does_not_publish_the_failed_requests_pages_again(model):
+    """R finishes; F takes R's pages as its prefix hit and finishes too, its copies of them
+    in flight; then R's failure is reported (four steps late). R's pages left the host
+    pool's index, but F's copies of the same blocks landed after and were published under
+    R's hashes, and G's prefix hit took them."""
+    h, tokens = after_a_shared_prefix(model, report_delay=4)
+    make_output = h.model_runner_output
+    failed_at: list[int] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        step = len(h.observations)
+        request = h.requests["R"]
+        if "R" in scheduler_output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
+            failed_at.append(step)
+        if failed_at and step == failed_at[0] + 4:
+            out.hisparse_failed = {"R": "its selections were not in the host pool"}
+        return out
+
+    h.model_runner_output = output
+    r = h.add_request(tokens, max_tokens=1, request_id="R")
+    while not r.is_finished():
+        h.step()
+    f = h.add_request([*tokens, *prompt(9, 2 * BLOCK + 10)], max_tokens=1, request_id="F")
+    for _ in range(8):
+        h.step()
+    assert f.is_finished() and h.hisparse.stats()["requests_failed"] == 1
+    pool = h.hisparse.residency.host_pool
+    assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1], (
+        "a copy of R's wrong KV is published under its hashes"
+    )
+    h.model_runner_output = make_output
+    h.run_until_done()

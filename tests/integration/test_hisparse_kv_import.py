@@ -644,7 +644,7 @@ def test_a_page_computed_past_a_failed_load_is_neither_cached_nor_copied(model, 
     assert all(pool.lookup(hashes[i]) is None for i in range(2, 7)), "nothing past page 1 is published"
     assert h.num_free_blocks() == h.kv_cache_config.num_blocks - 1 and pool.num_referenced == 0
     # An OffloadingConnector beside the loading one may have stored their indexer keys.
-    refused = [h.hisparse.admissions.refuses_connector_page(hashes[i]) for i in range(7)]
+    refused = [pool.is_withdrawn(hashes[i]) for i in range(7)]
     assert refused == [False, False] + [True] * 5, "a connector's hit stops before the failed pages"
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +52,6 @@ if TYPE_CHECKING:
 # A HOST page inside a resident block, as the walk lists it: one shared object, which the
 # garbage collector does not track (a history's thousands of pages allocate nothing).
 _HOST_PAGE_INSIDE: tuple[None, tuple[()]] = (None, ())
-
-# The most pages whose keys an OffloadingConnector hit is refused (`refuse_connector_pages`):
-# only failed requests add to them (64K pages: 4M tokens).
-MAX_REFUSED_PAGES = 1 << 16
 
 
 @dataclass
@@ -151,9 +147,6 @@ class Admissions:
         self._written = written
         self._records: dict[str, PendingAdmission] = {}
         self.counters = AdmissionCounters()
-        # Pages (by hash) whose KV a request that failed on the workers wrote, or computed
-        # past a failed load (`refuse_connector_pages`), oldest first.
-        self._refused: dict[Hashable, None] = {}
         # The host copies that waiting turns' walks found past the first page they had no
         # lease for (`_waiting_copies`), this step's and the last step's: request ->
         # ((the first page's hash, the pages looked up, host pool evictions then), copies).
@@ -224,22 +217,6 @@ class Admissions:
             record.landed.clear()
             self.give_back(record)
         self._copies_last_step, self._copies_this_step = self._copies_this_step, {}
-
-    def refuse_connector_pages(self, hashes: Iterable[Hashable]) -> None:
-        """An OffloadingConnector hit stops before these pages from now on. The connector's
-        tier may hold their indexer (and drafter) keys, stored from the same wrong step as
-        the sparse-MLA pages HiSparse withdrew, and never overwrites a key it holds: a hit
-        would pair them with another request's good sparse-MLA pages. The most recent
-        `MAX_REFUSED_PAGES` are kept."""
-        refused = self._refused
-        for block_hash in hashes:
-            refused.pop(block_hash, None)
-            refused[block_hash] = None
-        while len(refused) > MAX_REFUSED_PAGES:
-            del refused[next(iter(refused))]
-
-    def refuses_connector_page(self, block_hash: Hashable) -> bool:
-        return block_hash in self._refused
 
     def forget_lookups(self) -> None:
         """The host pool forgot its copies (`HostPagePool.forget_all`): no lookup of an
@@ -774,11 +751,14 @@ class Admissions:
                 request, record, new_computed_blocks, num_local_tokens, num_external_tokens, imported.may_land
             )
         chunk = imported.chunk_tokens
-        if self._refused:
-            hashes = request.block_hashes
+        if self.host_pool.has_withdrawn():
+            # The connector's tier may hold the indexer (and drafter) keys of pages a failed
+            # request wrote, stored from the same wrong step, and never overwrites a key it
+            # holds: a hit would pair them with another request's good sparse-MLA pages.
+            hashes, withdrawn = request.block_hashes, self.host_pool.is_withdrawn
             first = num_local_tokens // self.block_size
             last = min(-(-(num_local_tokens + num_external_tokens) // self.block_size), len(hashes))
-            refused = next((p for p in range(first, last) if hashes[p] in self._refused), None)
+            refused = next((p for p in range(first, last) if withdrawn(hashes[p])), None)
             if refused is not None:
                 self.counters.hits_refused += 1
                 num_external_tokens = self._cut_hit({}, num_local_tokens, refused * self.block_size, chunk)

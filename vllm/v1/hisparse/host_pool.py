@@ -20,6 +20,10 @@ from collections.abc import Hashable, Iterable
 
 from vllm.v1.hisparse.plan import HostPage
 
+# The most page hashes `HostPagePool.withdraw` keeps: only failed requests add to them
+# (64K pages: 4M tokens).
+MAX_WITHDRAWN = 1 << 16
+
 
 class HostPoolExhausted(Exception):
     """No free or evictable host page is left."""
@@ -36,6 +40,10 @@ class HostPagePool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[Hashable, HostPage] = {}
         self._hash_of: dict[int, Hashable] = {}
+        # The request whose copy (or import) each indexed page holds.
+        self._publisher: dict[int, str] = {}
+        # Page hashes a request that failed on the workers wrote (`withdraw`), oldest first.
+        self._withdrawn: dict[Hashable, None] = {}
         # Cached copies evicted so far: while it stands, every lookup made since still holds.
         self.evictions = 0
         # With `track_releases` (a connector that writes landed pages from the host, outside
@@ -89,6 +97,7 @@ class HostPagePool:
         elif self._evictable:
             page, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(page)]
+            self._publisher.pop(page, None)
             self.evictions += 1
         else:
             raise HostPoolExhausted(f"all {self.num_pages} host pages are referenced")
@@ -138,6 +147,7 @@ class HostPagePool:
             for page in list(itertools.islice(settled, num_pages - len(taken))):
                 del self._evictable[page]
                 del self._by_hash[self._hash_of.pop(page)]
+                self._publisher.pop(page, None)
                 self.evictions += 1
                 taken.append(page)
         for page in taken:
@@ -247,14 +257,46 @@ class HostPagePool:
             if freed:
                 self._note_released_all(freed)
 
-    def publish(self, page: int, block_hash: Hashable) -> None:
-        """Index a referenced page, whose copy is now durable, by its block hash."""
+    def publish(self, page: int, block_hash: Hashable, publisher: str = "") -> None:
+        """Index a referenced page, whose copy (made by request `publisher`) is now durable,
+        by its block hash."""
         if page not in self._refs:
             raise KeyError(f"host page {page} is not referenced")
         if block_hash in self._by_hash or page in self._hash_of:
             return  # an identical copy is already indexed; keep the first
         self._by_hash[block_hash] = HostPage(page)
         self._hash_of[page] = block_hash
+        self._publisher[page] = publisher
+
+    def published_by(self, page: int) -> str | None:
+        """The request whose copy an indexed page holds (None: not indexed)."""
+        return self._publisher.get(page)
+
+    def withdraw(self, hashes: Iterable[Hashable], publisher: str) -> list[HostPage]:
+        """Request `publisher` failed on the workers, and the KV of its pages with these
+        hashes is not to be trusted: the pages it published under them are forgotten
+        (returned; another request's copy under the same hash, computed by that request,
+        stays), and a KV connector's hit stops before them from now on (`is_withdrawn`).
+        The most recent `MAX_WITHDRAWN` hashes are kept, until `forget_all`."""
+        found = []
+        withdrawn = self._withdrawn
+        for block_hash in hashes:
+            page = self._by_hash.get(block_hash)
+            if page is not None and self._publisher.get(page) == publisher:
+                self.forget(page, block_hash)
+                found.append(page)
+            withdrawn.pop(block_hash, None)
+            withdrawn[block_hash] = None
+        while len(withdrawn) > MAX_WITHDRAWN:
+            del withdrawn[next(iter(withdrawn))]
+        return found
+
+    def has_withdrawn(self) -> bool:
+        return bool(self._withdrawn)
+
+    def is_withdrawn(self, block_hash: Hashable) -> bool:
+        """Whether a failed request wrote the KV of pages with this hash (`withdraw`)."""
+        return block_hash in self._withdrawn
 
     def forget(self, page: int, block_hash: Hashable) -> None:
         """No lookup finds this page under `block_hash` any more (its copy is not to be
@@ -262,6 +304,7 @@ class HostPagePool:
         if self._hash_of.get(page) != block_hash:
             return
         del self._by_hash[self._hash_of.pop(page)]
+        self._publisher.pop(page, None)
         if page in self._evictable:
             del self._evictable[page]
             self._never_used.append(page)
@@ -275,6 +318,8 @@ class HostPagePool:
         self._evictable.clear()
         self._by_hash.clear()
         self._hash_of.clear()
+        self._publisher.clear()
+        self._withdrawn.clear()  # the connectors' tiers were reset too
         self.evictions += 1  # a lookup made before no longer holds
 
     def check(self) -> None:
@@ -289,5 +334,6 @@ class HostPagePool:
         assert len(pages) == self.num_pages, "a host page is in two of free, cached and referenced"
         assert not refs or min(refs.values()) > 0
         assert len(hash_of) == len(self._by_hash) and hash_of.keys() == set(self._by_hash.values())
+        assert self._publisher.keys() == hash_of.keys(), "an indexed page without its publisher"
         assert cached.keys() <= hash_of.keys() and hash_of.keys().isdisjoint(never_used)
         assert self._released_at.keys().isdisjoint(refs), "a page released since is referenced again"

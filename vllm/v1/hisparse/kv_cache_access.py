@@ -374,9 +374,10 @@ class KVCacheBlockAccess:
                             pages[position] = BlockId(block.block_id)
         return pages
 
-    def first_pages_holding(self, block_ids: set[int]) -> dict[str, int]:
-        """Request -> the first page of its table held by one of these blocks, in any group
-        (a resident block's first page), for every request whose table holds one."""
+    def first_pages_holding(self, block_ids: set[int], from_page: int = 0) -> dict[str, int]:
+        """Request -> the first page of its table held by one of these blocks, in any group,
+        for every request whose table holds one. The blocks hold pages `from_page` on: in a
+        resident block of several pages, the first of them at or after it."""
         page = self._mla[0].block_size
         found: dict[str, int] = {}
         for manager in self._groups:
@@ -384,7 +385,8 @@ class KVCacheBlockAccess:
             for request_id, blocks in manager.req_to_blocks.items():
                 for index, block in enumerate(blocks):
                     if block.block_id in block_ids:
-                        found[request_id] = min(found.get(request_id, index * per_block), index * per_block)
+                        first = index if per_block == 1 else max(index * per_block, from_page)
+                        found[request_id] = min(found.get(request_id, first), first)
                         break
         return found
 

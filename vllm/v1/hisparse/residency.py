@@ -513,7 +513,7 @@ class ResidencyManager:
         if imported and publish:
             for index, page in enumerate(host_pages, start):
                 if (block_hash := req.page_hash(index)) is not None:
-                    self.host_pool.publish(page, block_hash)
+                    self.host_pool.publish(page, block_hash, request_id)
         host_pages = tuple(host_pages)
         if host_pages:
             self._new_host_pages.append(HostPageRun(request_id, PageIndex(start), host_pages))
@@ -536,7 +536,7 @@ class ResidencyManager:
         table = req.pages
         for index, page in enumerate(host_pages, start):
             if index < len(table) and table.host_page[index] == page and (block_hash := req.page_hash(index)):
-                self.host_pool.publish(page, block_hash)
+                self.host_pool.publish(page, block_hash, request_id)
 
     def append_pages(self, request_id: str, pages: Sequence[Sequence[BlockId]]) -> None:
         """New pages the KV cache manager gave the request, in order: k block ids each."""
@@ -827,7 +827,7 @@ class ResidencyManager:
             return False
         block_hash = self._orphans.pop(copy.copy_id)
         if landed and block_hash is not None:
-            self.host_pool.publish(copy.host_page, block_hash)
+            self.host_pool.publish(copy.host_page, block_hash, copy.request_id)
         self.host_pool.release(copy.host_page)
         self.allocator.give_back(copy.block_ids)
         return True
@@ -860,7 +860,7 @@ class ResidencyManager:
                     self._add_settled(req, index)
                 block_hash = req.page_hash(index)
                 if block_hash is not None:
-                    publish(copy.host_page, block_hash)
+                    publish(copy.host_page, block_hash, copy.request_id)
                 if table.demote_when_copied[index]:
                     demote.setdefault(copy.request_id, []).append(index)
         finally:
@@ -891,34 +891,45 @@ class ResidencyManager:
 
     def withdraw(self, request_id: str, first_page: int) -> list[HostPage]:
         """The request's KV from page `first_page` on is not to be trusted (a step of it
-        failed on the workers): those pages' copies are never published, and those it
-        published already are forgotten. Its host pages from there on, which other
-        requests may have taken as theirs."""
+        failed on the workers): those pages' copies are never published, nor an ended
+        request's copies of them in flight, and those it published already are forgotten
+        (`HostPagePool.withdraw`). Its own host pages from there on (its copies and imports,
+        not another request's copies it reused), which other requests may have taken."""
         req = self.requests.get(request_id)
         if req is None:
             return []
         req.publish_below = min(req.publish_below, first_page)
-        found = [p for p in req.pages.host_page[first_page:] if p is not None]
-        for index, page in enumerate(req.pages.host_page[first_page:], first_page):
-            if page is not None and index < len(req.block_hashes):
-                self.host_pool.forget(page, req.block_hashes[index])
+        pool = self.host_pool
+        found = [
+            p
+            for p in req.pages.host_page[first_page:]
+            if p is not None and pool.published_by(p) in (request_id, None)
+        ]
+        hashes = req.block_hashes[first_page : req.num_complete_pages]
+        pool.withdraw(hashes, request_id)
+        self._unpublish_orphans(hashes)
         return found
 
     def withdraw_ended(self, request_id: str, page_hashes: Sequence[Hashable]) -> list[HostPage]:
         """`withdraw` for a request that has ended: its copies still in flight are not
-        published when they land, and no copy is found under its pages' hashes. The host
-        pages that were found under them."""
+        published when they land, and the copies it published under its pages' hashes are
+        forgotten (returned)."""
         for copy_id in self._orphans:
             if self._in_flight[copy_id].request_id == request_id:
                 self._orphans[copy_id] = None
-        pool = self.host_pool
-        found = []
-        for block_hash in page_hashes:
-            page = pool.lookup(block_hash)
-            if page is not None:
-                pool.forget(page, block_hash)
-                found.append(page)
-        return found
+        self._unpublish_orphans(page_hashes)
+        return self.host_pool.withdraw(page_hashes, request_id)
+
+    def _unpublish_orphans(self, page_hashes: Sequence[Hashable]) -> None:
+        """Copies in flight of ended requests' pages with these hashes are not published
+        when they land: another request that took a failed request's blocks as its prefix
+        hit, and ended before the failure was reported, copies the same wrong KV."""
+        if not self._orphans:
+            return
+        withdrawn = set(page_hashes)
+        for copy_id, block_hash in self._orphans.items():
+            if block_hash is not None and block_hash in withdrawn:
+                self._orphans[copy_id] = None
 
     def forget_host_copies(self) -> None:
         """vLLM's prefix cache was reset (after a weight update, say): no copy made before

@@ -96,6 +96,7 @@ class EndedWrites(NamedTuple):
     """What an ended (or preempted) request wrote, kept until its steps are reported."""
 
     last_step: int  # the latest step it was scheduled in
+    first_page: int  # its first written page
     blocks: list[tuple[int, Any]]  # its blocks from its first written page, with their hashes then
     page_hashes: list[Any]  # its complete pages' hashes from that page on
 
@@ -776,8 +777,11 @@ class HiSparseScheduling:
                 self.kv_cache_manager.evict_blocks({b for _, blocks in failed for b in blocks} - {null})
                 request = self.scheduler.requests.get(request_id)
                 if request is not None and self.host_prefix_hits:
+                    # An offload tier beside the loading connector may have stored these
+                    # pages' indexer keys from unwritten blocks: its hits stop before them.
                     first = load.first_page + failed_at
-                    self.admissions.refuse_connector_pages(request.block_hashes[first : first + len(failed)])
+                    hashes = request.block_hashes[first : first + len(failed)]
+                    self.residency.host_pool.withdraw(hashes, request_id)
                 if imports:
                     self._fail(request_id, "its KV connector's load into the host pool failed")
                 continue
@@ -881,17 +885,19 @@ class HiSparseScheduling:
     def _withdraw_with_followers(self, request_id: str, reason: str) -> None:
         """Fail the request and withdraw what it wrote (`_withdraw`), and do the same for
         every request that took any of it for its own in the meantime (a prefix hit on its
-        blocks, or on its host copies, before the report came), from the first page it
+        blocks, or on its own host copies, before the report came), from the first page it
         took, and for theirs in turn: they read the same wrong KV."""
         failing: list[tuple[str, str, int | None]] = [(request_id, reason, None)]
         seen = {request_id}
         while failing:
             failed_id, why, first_page = failing.pop()
-            blocks, host_pages = self._withdraw(failed_id, first_page)
+            blocks, host_pages, withdrawn_from = self._withdraw(failed_id, first_page)
             self._fail(failed_id, why)
             if not blocks and not host_pages:
                 continue
-            followers = self.blocks.first_pages_holding(blocks) if blocks else {}
+            # A prefix hit keeps page positions: what a follower took starts at that page or
+            # later (a resident block covering earlier pages names its first page only).
+            followers = self.blocks.first_pages_holding(blocks, withdrawn_from) if blocks else {}
             if host_pages:
                 for other, req in self.residency.requests.items():
                     for index, page in enumerate(req.pages.host_page):
@@ -906,7 +912,9 @@ class HiSparseScheduling:
                 took = f"its prefix hit took KV of request {failed_id}, which failed"
                 failing.append((follower, took, first))
 
-    def _withdraw(self, request_id: str, first_page: int | None = None) -> tuple[set[int], set[HostPage]]:
+    def _withdraw(
+        self, request_id: str, first_page: int | None = None
+    ) -> tuple[set[int], set[HostPage], int]:
         """A step of the request failed on the workers: its attention read wrong rows, and
         the KV it wrote from then on is wrong past the first layer that did. Which step
         is not known (a CUDA report comes a step or more late), so everything the request
@@ -914,10 +922,11 @@ class HiSparseScheduling:
         from `first_page`, where it is earlier: a follower's prefix hit on a failed
         request's KV), leaves the prefix cache in every group and the host pool's index,
         and no copy of those pages is published (one in flight included). The blocks and
-        host pages withdrawn: another request that holds one took it as its prefix hit in
-        the meantime."""
+        host pages withdrawn (another request that holds one took it as its prefix hit in
+        the meantime), and the first page withdrawn."""
         blocks: set[int] = set()
         host_pages: set[HostPage] = set()
+        withdrawn_from = 1 << 62
         ended = self._ended_writes.pop(request_id, None)
         if ended is not None:  # it ended, or was preempted, before the report came
             pool = self.kv_cache_manager.block_pool.blocks
@@ -925,25 +934,22 @@ class HiSparseScheduling:
             self.kv_cache_manager.evict_blocks(still)
             blocks |= still
             host_pages.update(self.residency.withdraw_ended(request_id, ended.page_hashes))
-            self.admissions.refuse_connector_pages(ended.page_hashes)
             self.pages_withdrawn += len(ended.page_hashes)
+            withdrawn_from = ended.first_page
         written = self._first_written.get(request_id)
         if self.scheduler.requests.get(request_id) is None:
-            return blocks, host_pages
+            return blocks, host_pages, withdrawn_from
         if written is not None:
             own = written[0] // self.block_size
             first_page = own if first_page is None else min(first_page, own)
         if first_page is None:
-            return blocks, host_pages
+            return blocks, host_pages, withdrawn_from
         host_pages.update(self.residency.withdraw(request_id, first_page))
-        req = self.residency.requests.get(request_id)
-        if req is not None:
-            self.admissions.refuse_connector_pages(req.block_hashes[first_page : req.num_complete_pages])
         evicted: set[int] = set(self.blocks.blocks_from_page(request_id, first_page))
         self.kv_cache_manager.evict_blocks(evicted)
         blocks |= evicted
         self.pages_withdrawn += max(0, self.blocks.num_table_pages(request_id) - first_page)
-        return blocks, host_pages
+        return blocks, host_pages, min(withdrawn_from, first_page)
 
     def _keep_ended_writes(self, request: Request, first: int, last_step: int) -> None:
         """What the request wrote from token `first` on, kept past its end until the workers
@@ -957,7 +963,9 @@ class HiSparseScheduling:
         hashes = list(req.block_hashes[first_page : req.num_complete_pages]) if req is not None else []
         ended = self._ended_writes
         ended.pop(request.request_id, None)
-        ended[request.request_id] = EndedWrites(last_step, [b for b in blocks if b[1] is not None], hashes)
+        ended[request.request_id] = EndedWrites(
+            last_step, first_page, [b for b in blocks if b[1] is not None], hashes
+        )
         if len(ended) > MAX_ENDED_WRITES:  # reports that stopped coming: the oldest go
             del ended[next(iter(ended))]
 
