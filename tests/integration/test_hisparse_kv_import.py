@@ -837,3 +837,26 @@ def test_a_stored_prompt_is_found_only_by_requests_of_its_own_cache_salt(model, 
         assert (request_id in loads) == (salt == "tenant-a"), f"{request_id} loads tenant-a's prompt"
         h.scheduler.update_from_output(output, h.model_runner_output(output))
         h.run_until_done()
+
+
+def test_a_producers_request_keeps_its_pages_on_the_device_for_the_send(model):
+    """A P/D producer's request (do_remote_decode) is sent from its device blocks once it
+    ends. Under demotion (mode "always" here, pressure alike) its pages went to the host
+    pool while it prefilled, the send found null blocks in its table and was declined,
+    and the decode instance computed the whole prompt again; a sender that does not check
+    would have offered the null block. Its pages now stay on the device until the send."""
+    transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
+    h = SchedulerHarness.create(
+        model=model, memory_bytes=KV_CACHE_BYTES, max_model_len=640, max_num_batched_tokens=128,
+        attention_config={"hisparse_config": {**HISPARSE["hisparse_config"], "mode": "always"}},
+        kv_transfer_config=transfer,
+    )  # fmt: skip
+    local = h.add_request(prompt(4, 400), max_tokens=4, request_id="local")
+    request = finished_producer_request(h, "prefilled")
+    assert h.scheduler.connector.connector_scheduler.declined_sends == 0, "the send found null blocks"
+    assert NULL_BLOCK_ID not in h.block_ids("prefilled")[h.hisparse.mla_group_ids[0]]
+    for _ in range(8):  # the connector holds its blocks for the reader meanwhile
+        h.step()
+    assert local.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.hisparse.stats()["pages_demoted"] > 0, "mode always demoted the local request's pages"
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED

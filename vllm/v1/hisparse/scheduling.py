@@ -521,9 +521,10 @@ class HiSparseScheduling:
         return self.admissions.host_landing(request_id)
 
     def hold(self, request: Request) -> None:
-        """The request finished and the KV connector keeps its blocks to send them (a P/D
-        producer): none of its pages may leave the device until `release`. The
-        OffloadingConnector's groups hold no sparse-MLA page, so its sends need no hold."""
+        """The KV connector will send the request's blocks (a P/D producer's request, from
+        its registration on) or keeps them to send now (it finished): none of its pages may
+        leave the device until `release`. The OffloadingConnector's groups hold no
+        sparse-MLA page, so its sends need no hold."""
         if self.imports.kinds != {ImportKind.HOST_POOL_GROUPS}:
             self.residency.hold(request.request_id)
 
@@ -1029,6 +1030,10 @@ class HiSparseScheduling:
             hashes = page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
             max_tokens = self._max_tokens(request)
             residency.add_request(request_id, hashes, max_tokens)
+            if (request.kv_transfer_params or {}).get("do_remote_decode"):
+                # A P/D producer's request: its connector sends its blocks once it ends, and
+                # a page demoted meanwhile would be the null block there.
+                self.hold(request)
         # What its admission holds passes to residency, page by page in table order.
         record = self.admissions.take(request_id)
         req = residency.requests[request_id]
