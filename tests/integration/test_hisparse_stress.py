@@ -25,9 +25,12 @@ hits may end inside a resident block (vLLM's copy-on-write of that block).
 
 After every step the harness runs HiSparse's ownership check, and checks each step's plan
 as it leaves the scheduler (a restore writes only into its own request's page); after the
-last, every device block, host page and copy must be back. `make test` runs six seeds of
-every configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B seeds A to B-1 (the long run:
-`make stress`).
+last, every device block, host page and copy must be back. Without a connector the same
+traffic also runs with a worker that keeps what every block and host page holds
+(`kv_content.KVContentHarness`), where sessions also fork from each other's
+conversations: every position a request attends over must hold KV of its own tokens.
+`make test` runs six seeds of every configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B
+seeds A to B-1 (the long run: `make stress`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import uuid
 
 import pytest
 import tiny_models
+from kv_content import KVContentHarness, WrongKV
 from scheduler_harness import SchedulerHarness, seed_range, tiny_glm5_dir
 
 from vllm.config import KVTransferConfig
@@ -106,10 +110,17 @@ def store(h: SchedulerHarness, tokens: list[int]) -> None:
 
 
 def run_sessions(
-    h: SchedulerHarness, rng: random.Random, connector: str, max_steps: int = 6000, priorities: bool = False
+    h: SchedulerHarness,
+    rng: random.Random,
+    connector: str,
+    max_steps: int = 6000,
+    priorities: bool = False,
+    forks: bool = False,
 ) -> dict:
     """Six sessions of three turns arriving at random steps; some requests aborted. With
-    `priorities`, each turn has a random priority (for the priority policy)."""
+    `priorities`, each turn has a random priority (for the priority policy); with `forks`,
+    a finished turn's conversation at times replaces another session's, cut at a random
+    token (often inside a page), so sessions share prefixes of each other's."""
     sessions = [[rng.randrange(3, 3000) for _ in range(rng.randint(150, 420))] for _ in range(6)]
     if connector == "example":
         for tokens in rng.sample(sessions, 3):
@@ -143,6 +154,12 @@ def run_sessions(
                 sessions[s] = [*sessions[s], *request.output_token_ids, *new_tokens]
                 if len(sessions[s]) > 900:
                     turns_left[s] = 0  # the next turn would not fit max_model_len
+                if forks and rng.random() < 0.3:
+                    other = rng.randrange(len(sessions))
+                    cut = rng.randint(1, min(len(sessions[s]), 880))
+                    sessions[other] = sessions[s][:cut] + [
+                        rng.randrange(3, 3000) for _ in range(rng.randint(0, 30))
+                    ]
     raise AssertionError(f"sessions unfinished after {max_steps} steps: {h.unfinished()}")
 
 
@@ -234,6 +251,59 @@ def test_cases_the_page_layouts_long_run_found_keep_one_owner_per_block_page_and
     run_stress(model, tmp_path, connector, async_scheduling, seed, layout="page")
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("async_scheduling", "drafter", "policy"),
+    [(False, False, "fcfs"), (True, False, "fcfs"), (False, True, "fcfs"), (False, False, "priority")],
+    ids=["sync", "async", "mtp", "priority"],
+)
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_random_multi_turn_sessions_read_only_their_own_kv(
+    model, glm53_model, tmp_path, async_scheduling, drafter, policy, seed, layout
+):
+    """The same traffic with a worker that keeps what every block and host page holds
+    (`kv_content.KVContentHarness`): every position a scheduled request attends over, on
+    the device or through the host pool, holds KV of its own tokens (not another
+    request's, another prefix's, a rejected draft's, or nothing)."""
+    model = glm53_model if drafter else model
+    h = run_stress(model, tmp_path, "none", async_scheduling, seed, drafter, layout, policy, content=True)
+    assert isinstance(h, KVContentHarness) and h.positions_read > 0
+
+
+# Seeds the content check found failing under the priority policy: a request the step had
+# already scheduled was preempted for a higher-priority one, after upstream had cached the
+# blocks it allocated for the tokens it was to compute; they stayed cached, unwritten, and
+# its own next turn (or another session's) took them as a prefix hit (patch 0007).
+PRIORITY_CONTENT_FOUND = [9, 18, 22, 39]
+
+
+@pytest.mark.parametrize("seed", PRIORITY_CONTENT_FOUND)
+def test_cases_the_content_check_found_under_the_priority_policy_read_only_their_own_kv(
+    model, tmp_path, seed
+):
+    h = run_stress(model, tmp_path, "none", False, seed, False, "groups", "priority", content=True)
+    assert isinstance(h, KVContentHarness) and h.positions_read > 0
+
+
+def test_the_content_check_finds_a_host_page_no_copy_wrote(model, tmp_path):
+    """Its negative control: with the plans' copies not played, a request that reads a
+    demoted page through the host pool reads a page nothing wrote, and the check says so."""
+    found = 0
+    for seed in range(6):
+        rng = random.Random(f"content-control-{seed}")
+        h = KVContentHarness.create(
+            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
+            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB}},
+        )  # fmt: skip
+        h.drop_copies = True
+        try:
+            run_sessions(h, rng, "none")
+        except WrongKV as error:
+            assert "host page" in str(error), error
+            found += 1
+    assert found, "no run read a demoted page"
+
+
 def run_stress(
     model: str,
     tmp_path,
@@ -243,8 +313,11 @@ def run_stress(
     drafter: bool = False,
     layout: str = "groups",
     policy: str = "fcfs",
-) -> None:
-    suffix = ("-mtp" if drafter else "") + ("-priority" if policy != "fcfs" else "")
+    content: bool = False,
+) -> SchedulerHarness:
+    suffix = (
+        ("-mtp" if drafter else "") + ("-priority" if policy != "fcfs" else "") + ("-kv" if content else "")
+    )
     rng = random.Random(f"{connector}-{async_scheduling}-{seed}{suffix}")
     memory_mib = rng.choice([6, 7, 8, 10, 14])
     host_pages = rng.choice([17, 24, 40, 400])
@@ -261,7 +334,7 @@ def run_stress(
     if policy != "fcfs":
         policy_args = dict(scheduling_policy=policy, long_prefill_token_threshold=rng.choice([0, 48, 64, 96]))
     proactive = rng.random() < 0.8
-    h = SchedulerHarness.create(
+    h = (KVContentHarness if content else SchedulerHarness).create(
         model=model,
         # The drafter's layer and the indexers stay whole on the device: a third more.
         memory_bytes=round((memory_mib << 20) * (1.35 if drafter else 1)),
@@ -283,7 +356,7 @@ def run_stress(
     assert (h.hisparse.blocks.resident_multiple > 1) == (layout == "page")
     if connector == "example" and async_scheduling:
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
-    seen = run_sessions(h, rng, connector, priorities=policy != "fcfs")
+    seen = run_sessions(h, rng, connector, priorities=policy != "fcfs", forks=content)
     assert_nothing_held(h)
     stats = h.hisparse.stats()
     # The workload did what it exists for: residency moved under pressure. (Without
@@ -295,6 +368,7 @@ def run_stress(
         assert h.nixl_counts["reads"] > 0, (h.nixl_counts, seen)
     if drafter:  # the drafter's tokens were verified, and some accepted
         assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted
+    return h
 
 
 @pytest.mark.parametrize("layout", ["groups", "page"])
