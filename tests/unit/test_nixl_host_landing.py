@@ -136,6 +136,18 @@ def test_a_peers_block_ids_must_lie_within_its_announced_blocks(block_ids, probl
     assert (found is None) if problem is None else (problem in found), found
 
 
+def test_a_peer_naming_fewer_blocks_than_this_instance_reads_fails_the_load_not_the_engine():
+    """Upstream's read asserts that the peer names at least as many blocks per group as the
+    decode instance reads: a peer that named fewer stopped the engine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector import (
+        remote_block_ids_problem,
+    )
+
+    found = remote_block_ids_problem([[1, 2], [3]], 2, NUM_BLOCKS, local_counts=[2, 2])
+    assert found is not None and "1 blocks in group 1, fewer than the 2" in found
+    assert remote_block_ids_problem([[1, 2], [3, 4, 5]], 2, NUM_BLOCKS, local_counts=[2, 2]) is None
+
+
 def _worker_stand_in(dst_num_blocks, ratio=1, remote_dcp=1):
     """A HostLandingNixlWorker without NIXL: the state `_read_blocks_for_req` reads, and its
     failure calls recorded."""

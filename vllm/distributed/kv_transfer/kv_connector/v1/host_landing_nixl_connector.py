@@ -194,11 +194,15 @@ def _descriptors(addresses: np.ndarray, length: int, device_id: int) -> np.ndarr
     return out
 
 
-def remote_block_ids_problem(block_ids: Any, num_groups: int, num_blocks: int) -> str | None:
+def remote_block_ids_problem(
+    block_ids: Any, num_groups: int, num_blocks: int, local_counts: Sequence[int] = ()
+) -> str | None:
     """What is wrong with a peer's block ids for one request, or None: they must be one list
     per KV cache group of this instance, each of at most `num_blocks` integers in
-    [0, num_blocks), the peer's block count from its handshake. Checked before any
-    descriptor is built, so no read reaches outside the peer's registered blocks."""
+    [0, num_blocks), the peer's block count from its handshake, and at least as many as
+    this instance reads in that group (`local_counts`; upstream's read asserts it, which
+    would stop the engine). Checked before any descriptor is built, so no read reaches
+    outside the peer's registered blocks."""
     if not isinstance(block_ids, (list, tuple)) or len(block_ids) != num_groups:
         got = len(block_ids) if isinstance(block_ids, (list, tuple)) else type(block_ids).__name__
         return f"the peer's block ids name {got} KV cache groups, this instance has {num_groups}"
@@ -207,6 +211,11 @@ def remote_block_ids_problem(block_ids: Any, num_groups: int, num_blocks: int) -
             return f"the peer's block ids of group {group} are not a list"
         if len(ids) > num_blocks:
             return f"the peer names {len(ids)} blocks in group {group}; it has {num_blocks}"
+        if group < len(local_counts) and len(ids) < local_counts[group]:
+            return (
+                f"the peer names {len(ids)} blocks in group {group}, fewer than the "
+                f"{local_counts[group]} this instance reads"
+            )
         for block in ids:
             if type(block) is not int or not 0 <= block < num_blocks:
                 return f"the peer names block {block!r} in group {group}, outside its {num_blocks} blocks"
@@ -401,7 +410,10 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             topo = self.transfer_topo  # set with the handshake that recorded num_blocks
             ratio = topo.get_engine_info(remote.engine_id).remote_physical_blocks_per_logical if topo else 1
             problem = remote_block_ids_problem(
-                remote.block_ids, len(meta.local_block_ids), num_blocks // max(int(ratio), 1)
+                remote.block_ids,
+                len(meta.local_block_ids),
+                num_blocks // max(int(ratio), 1),
+                [len(ids) for ids in meta.local_block_ids],
             )
             remote_dcp = getattr(topo.get_engine_info(remote.engine_id), "remote_dcp_size", 1) if topo else 1
             if problem is None and req_id in self._landings and max(self.dcp_size, remote_dcp) > 1:
