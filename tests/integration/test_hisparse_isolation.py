@@ -832,6 +832,46 @@ def test_resetting_the_prefix_cache_forgets_the_host_pools_copies(model):
     h.run_until_done()
 
 
+def failing_once(h: SchedulerHarness, request_id: str) -> list[bool]:
+    """Make the harness's workers report `request_id` failed in the next step that schedules
+    it once True is put in the returned list."""
+    make_output = h.model_runner_output
+    report: list[bool] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        if report and request_id in scheduler_output.num_scheduled_tokens:
+            out.hisparse_failed = {request_id: "its selections were not in the host pool"}
+            report.clear()
+        return out
+
+    h.model_runner_output = output
+    return report
+
+
+def failing_late(h: SchedulerHarness, request_id: str, delay: int) -> list[int]:
+    """Make the harness's workers report `request_id`'s last step failed `delay` steps after
+    it; the returned list gets that step's number."""
+    make_output = h.model_runner_output
+    failed_at: list[int] = []
+
+    def output(scheduler_output):
+        out = make_output(scheduler_output)
+        step = len(h.observations)
+        request = h.requests[request_id]
+        if (
+            request_id in scheduler_output.num_scheduled_tokens
+            and request.num_computed_tokens >= request.num_tokens
+        ):
+            failed_at.append(step)
+        if failed_at and step == failed_at[0] + delay:
+            out.hisparse_failed = {request_id: "its selections were not in the host pool"}
+        return out
+
+    h.model_runner_output = output
+    return failed_at
+
+
 def after_a_shared_prefix(model: str, report_delay: int) -> tuple[SchedulerHarness, list[int]]:
     """A harness whose workers report every step `report_delay` steps late, after S computed
     a two-page prefix; and a prompt of that prefix and 202 tokens more."""
@@ -891,19 +931,7 @@ def test_a_failure_reported_after_its_request_finished_still_withdraws_what_it_w
     step it was scheduled in is reported, and withdraws them then."""
     h, tokens = after_a_shared_prefix(model, report_delay=2)
     make_output = h.model_runner_output
-    failed_at: list[int] = []
-
-    def output(scheduler_output):
-        out = make_output(scheduler_output)
-        step = len(h.observations)
-        request = h.requests["R"]
-        if "R" in scheduler_output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
-            failed_at.append(step)  # R's last step: its report comes two steps later
-        if failed_at and step == failed_at[0] + 2:
-            out.hisparse_failed = {"R": "its selections were not in the host pool"}
-        return out
-
-    h.model_runner_output = output
+    failed_at = failing_late(h, "R", delay=2)
     r = h.add_request(tokens, max_tokens=1, request_id="R")
     h.run_until_done()
     h.step()
@@ -929,16 +957,7 @@ def test_a_request_whose_prefix_hit_took_a_failed_requests_kv_fails_with_it(mode
     and a request after both hits only the pages from before R's own steps."""
     h, tokens = after_a_shared_prefix(model, report_delay)
     make_output = h.model_runner_output
-    report_failure: list[bool] = []
-
-    def output(scheduler_output):
-        out = make_output(scheduler_output)
-        if report_failure and "R" in scheduler_output.num_scheduled_tokens:
-            out.hisparse_failed = {"R": "its selections were not in the host pool"}
-            report_failure.clear()
-        return out
-
-    h.model_runner_output = output
+    report_failure = failing_once(h, "R")
     r = h.add_request(tokens, max_tokens=20, request_id="R")
     while r.num_computed_tokens < len(tokens):
         h.step()
@@ -962,20 +981,7 @@ def test_a_request_that_took_an_ended_requests_kv_before_its_late_failure_fails_
     report says that step read wrong rows. What R wrote leaves the prefix cache and the
     host pool, and F, which holds R's blocks, fails too."""
     h, tokens = after_a_shared_prefix(model, report_delay=2)
-    make_output = h.model_runner_output
-    failed_at: list[int] = []
-
-    def output(scheduler_output):
-        out = make_output(scheduler_output)
-        step = len(h.observations)
-        request = h.requests["R"]
-        if "R" in scheduler_output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
-            failed_at.append(step)
-        if failed_at and step == failed_at[0] + 2:
-            out.hisparse_failed = {"R": "its selections were not in the host pool"}
-        return out
-
-    h.model_runner_output = output
+    failed_at = failing_late(h, "R", delay=2)
     r = h.add_request(tokens, max_tokens=1, request_id="R")
     while not r.is_finished():
         h.step()
@@ -998,17 +1004,7 @@ def test_a_request_backed_by_a_failed_requests_host_copies_fails_with_it(model):
     would read those copies once its pages are demoted, fails with R. (F shares no device
     block with R here.)"""
     h, tokens = after_a_shared_prefix(model, report_delay=0)
-    make_output = h.model_runner_output
-    report_failure: list[bool] = []
-
-    def output(scheduler_output):
-        out = make_output(scheduler_output)
-        if report_failure and "R" in scheduler_output.num_scheduled_tokens:
-            out.hisparse_failed = {"R": "its selections were not in the host pool"}
-            report_failure.clear()
-        return out
-
-    h.model_runner_output = output
+    report_failure = failing_once(h, "R")
     r = h.add_request(tokens, max_tokens=30, request_id="R")
     pool = h.hisparse.residency.host_pool
     while r.num_computed_tokens < len(tokens) or pool.lookup(r.block_hashes[4]) is None:
@@ -1100,23 +1096,6 @@ def test_spare_staging_blocks_go_straight_to_the_pool_while_frees_are_deferred(m
     h.run_until_done()
 
 
-def failing_once(h: SchedulerHarness, request_id: str) -> list[bool]:
-    """Make the harness's workers report `request_id` failed in the next step that schedules
-    it once True is put in the returned list."""
-    make_output = h.model_runner_output
-    report: list[bool] = []
-
-    def output(scheduler_output):
-        out = make_output(scheduler_output)
-        if report and request_id in scheduler_output.num_scheduled_tokens:
-            out.hisparse_failed = {request_id: "its selections were not in the host pool"}
-            report.clear()
-        return out
-
-    h.model_runner_output = output
-    return report
-
-
 def test_on_the_page_layout_a_follower_is_withdrawn_from_the_page_it_took_not_its_resident_blocks_first(
     model,
 ):
@@ -1184,19 +1163,7 @@ def test_a_follower_that_ended_before_the_report_does_not_publish_the_failed_req
     R's hashes, and G's prefix hit took them."""
     h, tokens = after_a_shared_prefix(model, report_delay=4)
     make_output = h.model_runner_output
-    failed_at: list[int] = []
-
-    def output(scheduler_output):
-        out = make_output(scheduler_output)
-        step = len(h.observations)
-        request = h.requests["R"]
-        if "R" in scheduler_output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
-            failed_at.append(step)
-        if failed_at and step == failed_at[0] + 4:
-            out.hisparse_failed = {"R": "its selections were not in the host pool"}
-        return out
-
-    h.model_runner_output = output
+    failing_late(h, "R", delay=4)
     r = h.add_request(tokens, max_tokens=1, request_id="R")
     while not r.is_finished():
         h.step()

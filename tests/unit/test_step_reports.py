@@ -230,20 +230,13 @@ def test_on_cuda_page_copies_run_on_the_copy_stream_after_the_forward_and_report
         run_step([])
 
 
-@pytest.mark.parametrize("num_pools", [1, 2])
-def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_scheduler_hears_of_it(num_pools):
-    """With several nodes, each node's writer copies every page into its own pool, and the
-    scheduler hears only of the output rank's copy: another node's copy, on its writer's
-    copy stream, could still read the page's blocks when they were freed and written for
-    their next owner, and still write its host page when its node's ranks read it. Its
-    report now waits two steps, and the writer's step two after the copy waits for it on
-    the compute stream (the scheduler uses the page from the step after that). With one
-    pool nothing waits: the report comes once the copy's event has passed."""
+def writer_of_several_pools(num_pools: int):
+    """A writing rank's worker over one 4-block layer, with `num_pools` host pools in its
+    group, its copy stream on recording stand-in streams: (worker, the stand-in, the cache)."""
     from types import SimpleNamespace
 
     from vllm.v1.hisparse.host_memory import PoolShare
     from vllm.v1.hisparse.page_copy import PageCopyStream
-    from vllm.v1.hisparse.plan import PageCopy
     from vllm.v1.hisparse.pool_placement import PoolPlacement
     from vllm.v1.hisparse.worker import HiSparseWorker
 
@@ -256,6 +249,22 @@ def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_schedu
     )
     cuda = RecordingCuda()
     worker.copy_stream = PageCopyStream(torch.device("cpu"), cuda=cuda)
+    return worker, cuda, cache
+
+
+@pytest.mark.parametrize("num_pools", [1, 2])
+def test_with_a_pool_on_each_of_several_nodes_a_copy_is_fenced_before_the_scheduler_hears_of_it(num_pools):
+    """With several nodes, each node's writer copies every page into its own pool, and the
+    scheduler hears only of the output rank's copy: another node's copy, on its writer's
+    copy stream, could still read the page's blocks when they were freed and written for
+    their next owner, and still write its host page when its node's ranks read it. Its
+    report now waits two steps, and the writer's step two after the copy waits for it on
+    the compute stream (the scheduler uses the page from the step after that). With one
+    pool nothing waits: the report comes once the copy's event has passed."""
+
+    from vllm.v1.hisparse.plan import PageCopy
+
+    worker, cuda, _ = writer_of_several_pools(num_pools)
     run_step = step_runner(worker)
 
     out = run_step([PageCopy(7, "r", 0, (2,), 1)])
@@ -287,21 +296,9 @@ def test_with_a_pool_on_each_of_several_nodes_restores_wait_for_every_rank_past_
     for."""
     from types import SimpleNamespace
 
-    from vllm.v1.hisparse.host_memory import PoolShare
-    from vllm.v1.hisparse.page_copy import PageCopyStream
     from vllm.v1.hisparse.plan import HISPARSE_PLAN_VERSION, HiSparseStepPlan, PageCopy, PageRestore
-    from vllm.v1.hisparse.pool_placement import PoolPlacement
-    from vllm.v1.hisparse.worker import HiSparseWorker
 
-    layer = "model.layers.0.self_attn.attn"
-    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], req_id_to_index={}), requests={})
-    cache = torch.arange(4 * 64 * 8, dtype=torch.float32).reshape(4, 64, 8)
-    placement = PoolPlacement(PoolShare.alone(), writer=True, num_pools=num_pools, node_ranks=(0,))
-    worker = HiSparseWorker(
-        runner, {layer: cache}, group_of_layer={layer: 0}, hot_rows=64, num_host_pages=2, placement=placement
-    )
-    cuda = RecordingCuda()
-    worker.copy_stream = PageCopyStream(torch.device("cpu"), cuda=cuda)
+    worker, cuda, cache = writer_of_several_pools(num_pools)
     worker.node_barrier = lambda: cuda.log.append(("barrier",))
     launched = worker._copy_pages
 
