@@ -1177,3 +1177,32 @@ def test_a_follower_that_ended_before_the_report_does_not_publish_the_failed_req
     )
     h.model_runner_output = make_output
     h.run_until_done()
+
+
+def test_what_a_follower_that_ended_before_the_report_wrote_past_the_pages_it_took_is_withdrawn(model):
+    """R finishes; F takes R's pages as its prefix hit, computes two pages of its own past
+    them (attending over R's) and finishes before R's late failure report. F could not be
+    failed, and its own pages stayed in the prefix cache and the host pool, where the
+    next request of F's prompt took them."""
+    h, tokens = after_a_shared_prefix(model, report_delay=4)
+    make_output = h.model_runner_output
+    failing_late(h, "R", delay=4)
+    r = h.add_request(tokens, max_tokens=1, request_id="R")
+    while not r.is_finished():
+        h.step()
+    f_tokens = [*tokens, *prompt(9, 2 * BLOCK + 10)]
+    f = h.add_request(f_tokens, max_tokens=1, request_id="F")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["F"] == 5 * BLOCK, "F's hit takes R's pages"
+    h.run_until_done()
+    assert r.status == f.status == RequestStatus.FINISHED_LENGTH_CAPPED, "both ended before the report"
+    assert h.hisparse.stats()["pages_withdrawn"] > 0
+    h.model_runner_output = make_output
+    for _ in range(4):
+        h.step()
+    pool = h.hisparse.residency.host_pool
+    assert [i for i in range(7) if pool.lookup(f.block_hashes[i]) is not None] == [0, 1]
+    h.add_request(f_tokens, max_tokens=1, request_id="G")
+    h.step()
+    assert h.observations[-1].new_request_cached_tokens["G"] == 2 * BLOCK, "G's hit is S's pages alone"
+    h.run_until_done()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.config.hisparse import hisparse_active, host_pool_pages, plans_executable, sparse_mla_page_bytes
@@ -99,6 +100,10 @@ class EndedWrites(NamedTuple):
     first_page: int  # its first written page
     blocks: list[tuple[int, Any]]  # its blocks from its first written page, with their hashes then
     page_hashes: list[Any]  # its complete pages' hashes from that page on
+    # What it took before that page (its prefix hit): its first sparse-MLA group's blocks
+    # and its host pages, as its table held them (`_withdraw_with_followers`).
+    taken_blocks: Sequence[Any] = ()
+    taken_host_pages: Sequence[Any] = ()
 
 
 class UnconfirmedLoad(NamedTuple):
@@ -893,21 +898,36 @@ class HiSparseScheduling:
         while failing:
             failed_id, why, first_page = failing.pop()
             blocks, host_pages, withdrawn_from = self._withdraw(failed_id, first_page)
-            self._fail(failed_id, why)
+            request = self.scheduler.requests.get(failed_id)
+            if failed_id == request_id or (request is not None and not request.is_finished()):
+                self._fail(failed_id, why)
             if not blocks and not host_pages:
                 continue
             # A prefix hit keeps page positions: what a follower took starts at that page or
             # later (a resident block covering earlier pages names its first page only).
-            followers = self.blocks.first_pages_holding(blocks, withdrawn_from) if blocks else {}
+            followers: dict[str, int | None] = {}
+            if blocks:
+                followers.update(self.blocks.first_pages_holding(blocks, withdrawn_from))
             if host_pages:
                 for other, req in self.residency.requests.items():
                     for index, page in enumerate(req.pages.host_page):
                         if page is not None and page in host_pages:
-                            followers[other] = min(followers.get(other, index), index)
+                            before = followers.get(other)
+                            followers[other] = index if before is None else min(before, index)
                             break
+            # Followers that ended, or were preempted, since: what they wrote is withdrawn
+            # too, and one preempted fails when it would resume.
+            for other, ended in self._ended_writes.items():
+                if other not in followers and (
+                    any(block.block_id in blocks for block in ended.taken_blocks)
+                    or any(page in host_pages for page in ended.taken_host_pages if page is not None)
+                ):
+                    followers[other] = None
             for follower, first in sorted(followers.items()):
+                if follower in seen:
+                    continue
                 request = self.scheduler.requests.get(follower)
-                if follower in seen or request is None or request.is_finished():
+                if (request is None or request.is_finished()) and follower not in self._ended_writes:
                     continue
                 seen.add(follower)
                 took = f"its prefix hit took KV of request {failed_id}, which failed"
@@ -964,8 +984,14 @@ class HiSparseScheduling:
         hashes = list(req.block_hashes[first_page : req.num_complete_pages]) if req is not None else []
         ended = self._ended_writes
         ended.pop(request.request_id, None)
+        taken_host = req.pages.host_page[:first_page] if req is not None else []
         ended[request.request_id] = EndedWrites(
-            last_step, first_page, [b for b in blocks if b[1] is not None], hashes
+            last_step,
+            first_page,
+            [b for b in blocks if b[1] is not None],
+            hashes,
+            self.blocks.first_group_blocks(request.request_id, 0, first_page),
+            taken_host,
         )
         if len(ended) > MAX_ENDED_WRITES:  # reports that stopped coming: the oldest go
             del ended[next(iter(ended))]
