@@ -841,10 +841,10 @@ def test_a_stored_prompt_is_found_only_by_requests_of_its_own_cache_salt(model, 
 
 def test_a_producers_request_keeps_its_pages_on_the_device_for_the_send(model):
     """A P/D producer's request (do_remote_decode) is sent from its device blocks once it
-    ends. Under demotion (mode "always" here, pressure alike) its pages went to the host
-    pool while it prefilled, the send found null blocks in its table and was declined,
-    and the decode instance computed the whole prompt again; a sender that does not check
-    would have offered the null block. Its pages now stay on the device until the send."""
+    ends. Mode "always" demoted its pages while it prefilled, the send found null blocks in
+    its table and was declined, and the decode instance computed the whole prompt again.
+    Mode "always" now leaves such a request's pages on the device (pressure still may not:
+    `test_a_prompt_longer_than_the_device_that_asks_for_a_remote_decode_still_finishes`)."""
     transfer = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer")
     h = SchedulerHarness.create(
         model=model, memory_bytes=KV_CACHE_BYTES, max_model_len=640, max_num_batched_tokens=128,

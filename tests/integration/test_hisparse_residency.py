@@ -949,3 +949,28 @@ def test_a_streaming_input_sessions_lease_covers_the_input_that_comes_after_its_
     h.scheduler.add_request(chunk(9, 40))
     h.scheduler.finish_requests("S", RequestStatus.FINISHED_ABORTED)
     h.run_until_done()
+
+
+@pytest.mark.parametrize("connector", [None, "NixlConnector"])
+def test_a_prompt_longer_than_the_device_that_asks_for_a_remote_decode_still_finishes(connector):
+    """`do_remote_decode` comes from the client. A request carrying it was held on the device
+    from its registration: one longer than the device was never demoted, was preempted over
+    and over and never finished. Relief demotes it as any other; a producer then declines
+    its send (pages in its host pool only), and the decode instance computes the prompt."""
+    from vllm.config import KVTransferConfig
+    from vllm.v1.request import RequestStatus
+
+    transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_producer") if connector else None
+    h = harness(
+        str(tiny_glm5_dir()), 6, max_model_len=4096, max_num_batched_tokens=128, kv_transfer_config=transfer
+    )
+    request = h.add_request(
+        prompt(1, 2000), max_tokens=4, request_id="long",
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+    )  # fmt: skip
+    for _ in range(300):
+        if request.is_finished():
+            break
+        h.step()
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert h.hisparse.stats()["pages_demoted"] > 0

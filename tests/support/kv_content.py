@@ -4,12 +4,13 @@
 The ownership check says who holds a block; this says what is in it. A worker that
 keeps, for every device block and host page, a stand-in of the KV it holds: a forward
 writes, at every position p it computes for request R, a value that names R's tokens
-up to p (draft tokens included) into R's block of that page in every KV cache group of
-page-sized blocks. The step's plan moves those values as the workers would: HOST page
-runs and leases update the worker's map of each request's host pages (a finished or
-preempted request's map goes first), restores copy host pages into blocks before the
-forward, vLLM's copy-on-write of resident blocks copies blocks, and page copies copy
-blocks to host pages after it. Before the forward's writes are read, every position a
+up to p (draft tokens included) into R's block holding p in every KV cache group (a
+page's block, or in the page layout's resident group the block of several pages). The
+step's plan moves those values as the workers would: HOST page runs and leases update
+the worker's map of each request's host pages (a finished or preempted request's map
+goes first), restores copy host pages into blocks before the forward, vLLM's
+copy-on-write of resident blocks copies blocks, and page copies copy blocks to host
+pages after it. Before the forward's writes are read, every position a
 request attends over (those computed before the step) is read through its block table,
 a HOST page through the worker's map, and must name that request's own tokens: KV of
 another request, another prefix, a rejected draft, or a page never written, is found.
@@ -33,7 +34,6 @@ from scheduler_harness import SchedulerHarness
 
 from vllm.v1.hisparse.plan import NOT_ON_HOST
 
-PAGE = 64
 DRAFT_TOKENS = (700, 800)  # drafts are drawn from here
 CORRECTION_TOKENS = (100, 200)  # the token sampled after the last accepted draft
 
@@ -122,9 +122,12 @@ class KVContentHarness(SchedulerHarness):
     def _kv(tokens: list[int], position: int) -> int:
         return hash(tuple(tokens[: position + 1]))
 
-    def _page_groups(self) -> list[int]:
+    def _group_block_sizes(self) -> list[tuple[int, int]]:
+        """(group, tokens per block) of every KV cache group: a page each for the sparse-MLA
+        groups and the groups layout's others, several pages for the page layout's resident
+        group (a position's row is its offset in the block)."""
         groups = self.kv_cache_config.kv_cache_groups
-        return [g for g, group in enumerate(groups) if group.kv_cache_spec.block_size == PAGE]
+        return [(g, group.kv_cache_spec.block_size) for g, group in enumerate(groups)]
 
     def _run_step(self, output: Any) -> None:
         hisparse = self.hisparse
@@ -147,7 +150,7 @@ class KVContentHarness(SchedulerHarness):
                     self.block_content[block] = dict(source[column]) if source else {}
         for copy in output.kv_cache_block_copies or ():
             self.block_content[copy.dst_block_id] = dict(self.block_content.get(copy.src_block_id, {}))
-        groups = self._page_groups()
+        groups = self._group_block_sizes()
         spec = output.scheduled_spec_decode_tokens
         scheduled = {
             req_id: (self.scheduler.requests[req_id], n) for req_id, n in output.num_scheduled_tokens.items()
@@ -159,8 +162,8 @@ class KVContentHarness(SchedulerHarness):
             tables = self.block_ids(req_id)
             for position in range(first, first + n):
                 value = self._kv(tokens, position)
-                index, row = divmod(position, PAGE)
-                for g in groups:
+                for g, block_size in groups:
+                    index, row = divmod(position, block_size)
                     block = tables[g][index]
                     if block == null:
                         raise WrongKV(
@@ -179,15 +182,21 @@ class KVContentHarness(SchedulerHarness):
                 ]
 
     def _check_reads(
-        self, req_id: str, num_computed: int, tokens: list[int], groups: list[int], mla: list[int], null: int
+        self,
+        req_id: str,
+        num_computed: int,
+        tokens: list[int],
+        groups: list[tuple[int, int]],
+        mla: list[int],
+        null: int,
     ) -> None:
         tables = self.block_ids(req_id)
         host_pages = self.worker_host_pages.get(req_id, {})
         step = len(self.observations)
         for position in range(num_computed):
             want = self._kv(tokens, position)
-            index, row = divmod(position, PAGE)
-            for g in groups:
+            for g, block_size in groups:
+                index, row = divmod(position, block_size)
                 block = tables[g][index]
                 if block == null:
                     if g not in mla:

@@ -240,3 +240,17 @@ def test_parameters_naming_a_peer_need_the_signature_without_do_remote_prefill_t
     assert not trust.may_notify_rejection(CONSUMER, unsigned)
     trust.check_params(CONSUMER, {"kv_transfer_params": {"do_remote_decode": True}})  # the proxy's
     trust.check_params(PRODUCER, {"kv_transfer_params": unsigned})  # reads from no peer
+
+
+def test_with_recurrent_layers_the_prefill_computes_all_but_the_last_prompt_token():
+    """Upstream's NIXL prefill of a model with Mamba layers computes N-1 of N prompt tokens
+    (the decode instance computes the last): that length is the prompt's too."""
+    params = {"kv_transfer_params": dict(PARAMS, remote_num_tokens=99)}
+    hybrid = SimpleNamespace(
+        kv_transfer_config=CONSUMER.kv_transfer_config, model_config=SimpleNamespace(is_hybrid=True)
+    )
+    trust.check_remote_prompt(hybrid, params, 100)
+    with pytest.raises(trust.UntrustedKVTransfer, match="99 tokens"):
+        trust.check_remote_prompt(hybrid, params, 101)
+    with pytest.raises(trust.UntrustedKVTransfer, match="99 tokens"):
+        trust.check_remote_prompt(CONSUMER, params, 100)

@@ -136,16 +136,29 @@ def test_a_peers_block_ids_must_lie_within_its_announced_blocks(block_ids, probl
     assert (found is None) if problem is None else (problem in found), found
 
 
-def test_a_peer_naming_fewer_blocks_than_this_instance_reads_fails_the_load_not_the_engine():
+def test_a_peer_naming_fewer_blocks_than_this_instance_reads_fails_the_load_not_the_engine(monkeypatch):
     """Upstream's read asserts that the peer names at least as many blocks per group as the
-    decode instance reads: a peer that named fewer stopped the engine."""
+    decode instance reads, where each side's logical block is one physical block of the
+    same tokens: a peer that named fewer stopped the engine. Where the sides count blocks
+    differently (a peer with more physical blocks per logical one, decode context
+    parallelism), upstream pairs them itself and the counts are not compared."""
     from vllm.distributed.kv_transfer.kv_connector.v1.host_landing_nixl_connector import (
         remote_block_ids_problem,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 
     found = remote_block_ids_problem([[1, 2], [3]], 2, NUM_BLOCKS, local_counts=[2, 2])
     assert found is not None and "1 blocks in group 1, fewer than the 2" in found
     assert remote_block_ids_problem([[1, 2], [3, 4, 5]], 2, NUM_BLOCKS, local_counts=[2, 2]) is None
+    reads = []
+    monkeypatch.setattr(NixlPullConnectorWorker, "_read_blocks_for_req", lambda self, r, m: reads.append(r))
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS})
+    worker._read_blocks_for_req("req", _meta([[1, 2], [3]]))
+    assert reads == [] and worker.failures[-1] == ("failed", "req"), "the load fails, nothing is read"
+    worker = _worker_stand_in({"prefill-0": NUM_BLOCKS}, remote_dcp=4)
+    worker._landings = {}  # nothing lands in the host pool (a peer with DCP cannot)
+    worker._read_blocks_for_req("req", _meta([[1], [3]]))
+    assert not worker.failures, "the peer's blocks hold four times the tokens: not compared"
 
 
 def _worker_stand_in(dst_num_blocks, ratio=1, remote_dcp=1):

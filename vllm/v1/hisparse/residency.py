@@ -294,6 +294,9 @@ class RequestResidency:
     # The request finished but a KV connector still reads its blocks: no page leaves
     # the device until it ends (`ResidencyManager.hold`).
     held: bool = False
+    # A KV connector sends its blocks once it ends (a P/D producer's request): mode
+    # "always" demotes none of its pages; relief under pressure still may.
+    sends: bool = False
 
     @property
     def state(self) -> RequestState:
@@ -721,7 +724,8 @@ class ResidencyManager:
             return
         for request_id in list(self._settled):
             req = self.requests[request_id]
-            self._demote(req, list(req.both_demotable))
+            if not req.sends:
+                self._demote(req, list(req.both_demotable))
 
     def plan_copies(self) -> list[PageCopy]:
         """Device->host copies for this step's post-forward launch, bounded per step.
@@ -772,6 +776,7 @@ class ResidencyManager:
             if (
                 self.mode == "always"
                 and not req.held  # a connector still sends its blocks (`hold`)
+                and not req.sends  # or will
                 and index < req.num_demotable_pages
                 and not table.demote_when_copied[index]
             ):

@@ -233,6 +233,9 @@ class HiSparseScheduling:
         # A connector that lands imports in the host pool writes them outside the device's
         # stream order: host pages released while a step is in flight wait for its output.
         self.residency.host_pool.track_releases = ImportKind.LANDS_ON_HOST in self.imports.kinds
+        # Whether a connector may send a request's blocks to a peer once it ends (a P/D
+        # producer): one that loads more than the groups HiSparse leaves to it.
+        self.sends = bool(self.imports.kinds - {ImportKind.HOST_POOL_GROUPS})
         # Finished sessions' indexer (and drafter) pages held on the device under pressure.
         self.histories = HeldHistories(self.blocks)
         self.admissions = Admissions(
@@ -526,10 +529,9 @@ class HiSparseScheduling:
         return self.admissions.host_landing(request_id)
 
     def hold(self, request: Request) -> None:
-        """The KV connector will send the request's blocks (a P/D producer's request, from
-        its registration on) or keeps them to send now (it finished): none of its pages may
-        leave the device until `release`. The OffloadingConnector's groups hold no
-        sparse-MLA page, so its sends need no hold."""
+        """The request finished and the KV connector keeps its blocks to send them (a P/D
+        producer): none of its pages may leave the device until `release`. The
+        OffloadingConnector's groups hold no sparse-MLA page, so its sends need no hold."""
         if self.imports.kinds != {ImportKind.HOST_POOL_GROUPS}:
             self.residency.hold(request.request_id)
 
@@ -1056,10 +1058,12 @@ class HiSparseScheduling:
             hashes = page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
             max_tokens = self._max_tokens(request)
             residency.add_request(request_id, hashes, max_tokens)
-            if (request.kv_transfer_params or {}).get("do_remote_decode"):
+            if self.sends and (request.kv_transfer_params or {}).get("do_remote_decode"):
                 # A P/D producer's request: its connector sends its blocks once it ends, and
-                # a page demoted meanwhile would be the null block there.
-                self.hold(request)
+                # a page demoted meanwhile is the null block there (the send is declined).
+                # Mode "always" leaves it whole; pressure may still demote it, as a prompt
+                # larger than the device must be.
+                residency.requests[request_id].sends = True
         # What its admission holds passes to residency, page by page in table order.
         record = self.admissions.take(request_id)
         req = residency.requests[request_id]

@@ -209,7 +209,12 @@ def check_remote_prompt(vllm_config: Any, extra_args: dict[str, Any] | None, num
     if not reads_from_peer(vllm_config):
         return
     remote = params.get("remote_num_tokens")
-    if isinstance(remote, int) and not isinstance(remote, bool) and remote != num_prompt_tokens:
+    # A model with recurrent (Mamba) layers: the prefill instance computes all but the last
+    # prompt token, which the decode instance computes (upstream's NIXL connector).
+    model = getattr(vllm_config, "model_config", None)
+    recurrent = bool(getattr(model, "is_hybrid", False) or getattr(model, "is_attention_free", False))
+    allowed = (num_prompt_tokens, num_prompt_tokens - 1) if recurrent else (num_prompt_tokens,)
+    if isinstance(remote, int) and not isinstance(remote, bool) and remote not in allowed:
         raise UntrustedKVTransfer(
             f"the prefill instance computed a prompt of {remote} tokens and this instance's prompt "
             f"has {num_prompt_tokens}: the KV it would load is of other tokens (a truncation that "

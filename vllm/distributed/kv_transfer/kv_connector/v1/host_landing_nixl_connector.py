@@ -396,6 +396,19 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
             self._remote_regions[(nixl_agent_meta.engine_id, remote_tp_rank)] = remote
         return name
 
+    def _counts_comparable(self, remote: Any) -> bool:
+        """Whether the peer's block lists and this instance's count the same tokens per
+        block, as upstream's read assumes where it asserts their lengths."""
+        topo = self.transfer_topo
+        info = topo.get_engine_info(remote.engine_id) if topo else None
+        return (
+            not getattr(self, "_has_mamba", False)
+            and self.dcp_size == 1
+            and getattr(info, "remote_dcp_size", 1) == 1
+            and getattr(info, "remote_physical_blocks_per_logical", 1)
+            == getattr(self, "_physical_blocks_per_logical_kv_block", 1)
+        )
+
     def start_load_kv(self, metadata: NixlConnectorMetadata):
         self._landings.update(getattr(metadata, "host_landing", {}))
         super().start_load_kv(metadata)
@@ -413,7 +426,9 @@ class HostLandingNixlWorker(NixlPullConnectorWorker):
                 remote.block_ids,
                 len(meta.local_block_ids),
                 num_blocks // max(int(ratio), 1),
-                [len(ids) for ids in meta.local_block_ids],
+                # Upstream's read asserts the counts only where each side's logical block
+                # is one physical block of the same tokens (no DCP, no recurrent groups).
+                [len(ids) for ids in meta.local_block_ids] if self._counts_comparable(remote) else (),
             )
             remote_dcp = getattr(topo.get_engine_info(remote.engine_id), "remote_dcp_size", 1) if topo else 1
             if problem is None and req_id in self._landings and max(self.dcp_size, remote_dcp) > 1:
