@@ -997,6 +997,18 @@ def test_a_request_that_took_an_ended_requests_kv_before_its_late_failure_fails_
     assert [i for i in range(5) if pool.lookup(r.block_hashes[i]) is not None] == [0, 1]
 
 
+def copied_and_evicted(h: SchedulerHarness, tokens: list[int], request_id: str):
+    """A request of `tokens` (after S's two-page prefix) run until its pages' copies are in
+    the host pool, its own blocks then evicted from the device's prefix cache (as after
+    demotion): a later request of the prompt computes those pages again. The request."""
+    request = h.add_request(tokens, max_tokens=30, request_id=request_id)
+    pool = h.hisparse.residency.host_pool
+    while request.num_computed_tokens < len(tokens) or pool.lookup(request.block_hashes[4]) is None:
+        h.step()
+    h.kv_cache_manager.evict_blocks({b for table in h.block_ids(request_id) for b in table[2:]})
+    return request
+
+
 def test_a_request_backed_by_a_failed_requests_host_copies_fails_with_it(model):
     """R's own pages are in the host pool and no longer in the device's prefix cache, so F
     computes them again and takes R's copies as theirs in the host pool (no copy of its
@@ -1005,12 +1017,9 @@ def test_a_request_backed_by_a_failed_requests_host_copies_fails_with_it(model):
     block with R here.)"""
     h, tokens = after_a_shared_prefix(model, report_delay=0)
     report_failure = failing_once(h, "R")
-    r = h.add_request(tokens, max_tokens=30, request_id="R")
+    r = copied_and_evicted(h, tokens, "R")
     pool = h.hisparse.residency.host_pool
-    while r.num_computed_tokens < len(tokens) or pool.lookup(r.block_hashes[4]) is None:
-        h.step()
     r_copies = {pool.lookup(r.block_hashes[i]) for i in range(2, 5)}
-    h.kv_cache_manager.evict_blocks({b for table in h.block_ids("R") for b in table[2:]})
     f = h.add_request(tokens, max_tokens=20, request_id="F")
     while "F" not in h.hisparse.residency.requests or not r_copies <= set(
         h.hisparse.residency.requests["F"].pages.host_page
@@ -1137,12 +1146,9 @@ def test_a_request_whose_copies_a_failed_request_only_reused_is_not_failed_with_
     whose KV is its own, failed as R's follower, and G's good copies were forgotten."""
     h, tokens = after_a_shared_prefix(model, report_delay=0)
     report = failing_once(h, "R")
-    g = h.add_request(tokens, max_tokens=30, request_id="G")
+    g = copied_and_evicted(h, tokens, "G")
     pool = h.hisparse.residency.host_pool
-    while g.num_computed_tokens < len(tokens) or pool.lookup(g.block_hashes[4]) is None:
-        h.step()
     g_copies = [pool.lookup(g.block_hashes[i]) for i in range(5)]
-    h.kv_cache_manager.evict_blocks({b for table in h.block_ids("G") for b in table[2:]})
     r = h.add_request(tokens, max_tokens=20, request_id="R")
     while "R" not in h.hisparse.residency.requests or not set(g_copies[2:]) <= set(
         h.hisparse.residency.requests["R"].pages.host_page
@@ -1156,17 +1162,25 @@ def test_a_request_whose_copies_a_failed_request_only_reused_is_not_failed_with_
     assert [pool.lookup(g.block_hashes[i]) for i in range(5)] == g_copies, "G's copies stay findable"
 
 
-def test_a_follower_that_ended_before_the_report_does_not_publish_the_failed_requests_pages_again(model):
-    """R finishes; F takes R's pages as its prefix hit and finishes too, its copies of them
-    in flight; then R's failure is reported (four steps late). R's pages left the host
-    pool's index, but F's copies of the same blocks landed after and were published under
-    R's hashes, and G's prefix hit took them."""
+def finished_before_its_failure_report(model: str):
+    """R (S's prefix and 202 tokens more) run to its end, the report that its last step
+    failed due four steps after that step: (harness, R's tokens, R, the workers' output
+    before the failure was arranged)."""
     h, tokens = after_a_shared_prefix(model, report_delay=4)
     make_output = h.model_runner_output
     failing_late(h, "R", delay=4)
     r = h.add_request(tokens, max_tokens=1, request_id="R")
     while not r.is_finished():
         h.step()
+    return h, tokens, r, make_output
+
+
+def test_a_follower_that_ended_before_the_report_does_not_publish_the_failed_requests_pages_again(model):
+    """R finishes; F takes R's pages as its prefix hit and finishes too, its copies of them
+    in flight; then R's failure is reported (four steps late). R's pages left the host
+    pool's index, but F's copies of the same blocks landed after and were published under
+    R's hashes, and G's prefix hit took them."""
+    h, tokens, r, make_output = finished_before_its_failure_report(model)
     f = h.add_request([*tokens, *prompt(9, 2 * BLOCK + 10)], max_tokens=1, request_id="F")
     for _ in range(8):
         h.step()
@@ -1184,12 +1198,7 @@ def test_what_a_follower_that_ended_before_the_report_wrote_past_the_pages_it_to
     them (attending over R's) and finishes before R's late failure report. F could not be
     failed, and its own pages stayed in the prefix cache and the host pool, where the
     next request of F's prompt took them."""
-    h, tokens = after_a_shared_prefix(model, report_delay=4)
-    make_output = h.model_runner_output
-    failing_late(h, "R", delay=4)
-    r = h.add_request(tokens, max_tokens=1, request_id="R")
-    while not r.is_finished():
-        h.step()
+    h, tokens, r, make_output = finished_before_its_failure_report(model)
     f_tokens = [*tokens, *prompt(9, 2 * BLOCK + 10)]
     f = h.add_request(f_tokens, max_tokens=1, request_id="F")
     h.step()
