@@ -25,10 +25,12 @@ hits may end inside a resident block (vLLM's copy-on-write of that block).
 
 After every step the harness runs HiSparse's ownership check, and checks each step's plan
 as it leaves the scheduler (a restore writes only into its own request's page); after the
-last, every device block, host page and copy must be back. Without a connector the same
-traffic also runs with a worker that keeps what every block and host page holds
-(`kv_content.KVContentHarness`), where sessions also fork from each other's
-conversations: every position a request attends over must hold KV of its own tokens.
+last, every device block, host page and copy must be back. Without a connector, and
+beside the OffloadingConnector (longer first turns, so that its tier stores and loads in
+both layouts), the same traffic also runs with a worker that keeps what every block, host
+page and CPU-tier block holds (`kv_content.KVContentHarness`), where sessions also fork
+from each other's conversations: every position a request attends over must hold KV of
+its own tokens, asynchronous scheduling with MTP drafts included.
 `make test` runs six seeds of every configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B
 seeds A to B-1 (the long run: `make stress`).
 """
@@ -116,12 +118,14 @@ def run_sessions(
     max_steps: int = 6000,
     priorities: bool = False,
     forks: bool = False,
+    first_turn: tuple[int, int] = (150, 420),
 ) -> dict:
     """Six sessions of three turns arriving at random steps; some requests aborted. With
     `priorities`, each turn has a random priority (for the priority policy); with `forks`,
     a finished turn's conversation at times replaces another session's, cut at a random
-    token (often inside a page), so sessions share prefixes of each other's."""
-    sessions = [[rng.randrange(3, 3000) for _ in range(rng.randint(150, 420))] for _ in range(6)]
+    token (often inside a page), so sessions share prefixes of each other's. `first_turn`
+    bounds the first turn's tokens."""
+    sessions = [[rng.randrange(3, 3000) for _ in range(rng.randint(*first_turn))] for _ in range(6)]
     if connector == "example":
         for tokens in rng.sample(sessions, 3):
             store(h, tokens)
@@ -254,9 +258,12 @@ def test_cases_the_page_layouts_long_run_found_keep_one_owner_per_block_page_and
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
     ("async_scheduling", "drafter", "policy"),
-    [(False, False, "fcfs"), (True, False, "fcfs"), (False, True, "fcfs"), (False, False, "priority")],
-    ids=["sync", "async", "mtp", "priority"],
-)
+    [
+        (False, False, "fcfs"), (True, False, "fcfs"), (False, True, "fcfs"), (True, True, "fcfs"),
+        (False, False, "priority"),
+    ],
+    ids=["sync", "async", "mtp", "async-mtp", "priority"],
+)  # fmt: skip
 @pytest.mark.parametrize("layout", ["groups", "page"])
 def test_random_multi_turn_sessions_read_only_their_own_kv(
     model, glm53_model, tmp_path, async_scheduling, drafter, policy, seed, layout
@@ -267,6 +274,30 @@ def test_random_multi_turn_sessions_read_only_their_own_kv(
     request's, another prefix's, a rejected draft's, or nothing)."""
     model = glm53_model if drafter else model
     h = run_stress(model, tmp_path, "none", async_scheduling, seed, drafter, layout, policy, content=True)
+    assert isinstance(h, KVContentHarness) and h.positions_read > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("async_scheduling", "drafter", "policy"),
+    [
+        (False, False, "fcfs"), (True, False, "fcfs"), (False, True, "fcfs"), (True, True, "fcfs"),
+        (True, False, "priority"),
+    ],
+    ids=["sync", "async", "mtp", "async-mtp", "priority"],
+)  # fmt: skip
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_random_multi_turn_sessions_beside_the_offloading_connector_read_only_their_own_kv(
+    model, glm53_model, tmp_path, async_scheduling, drafter, policy, seed, layout
+):
+    """The same, beside the OffloadingConnector (the announcement's command keeps it for
+    the indexer's groups): its stores and loads move what they read, in the worker's order,
+    and every position read, loaded from its CPU tier or not, holds KV of its own tokens."""
+    model = glm53_model if drafter else model
+    h = run_stress(
+        model, tmp_path, "offloading", async_scheduling, seed, drafter, layout, policy, content=True,
+        first_turn=(300, 800),
+    )  # fmt: skip
     assert isinstance(h, KVContentHarness) and h.positions_read > 0
 
 
@@ -304,6 +335,28 @@ def test_the_content_check_finds_a_host_page_no_copy_wrote(model, tmp_path):
     assert found, "no run read a demoted page"
 
 
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_the_content_check_finds_an_offloading_load_that_wrote_nothing(model, tmp_path, layout):
+    """The connector's negative control: with its loads writing nothing, a request that
+    attends over blocks its CPU tier loaded reads blocks nothing wrote, and the check says so."""
+    found = 0
+    for seed in range(4):
+        rng = random.Random(f"offloading-control-{layout}-{seed}")
+        h = KVContentHarness.create(
+            model=model, memory_bytes=8 << 20, max_model_len=1024, max_num_batched_tokens=256,
+            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
+            kv_transfer_config=transfer_config("offloading", tmp_path),
+            report_delay=lambda rng=rng: rng.randint(0, 2),
+        )  # fmt: skip
+        h.drop_loads = True
+        try:
+            run_sessions(h, rng, "offloading", forks=True, first_turn=(300, 800))
+        except WrongKV as error:
+            assert "never written" in str(error) and "block" in str(error), error
+            found += 1
+    assert found, "no run read a block the connector loaded"
+
+
 def run_stress(
     model: str,
     tmp_path,
@@ -314,6 +367,7 @@ def run_stress(
     layout: str = "groups",
     policy: str = "fcfs",
     content: bool = False,
+    first_turn: tuple[int, int] = (150, 420),
 ) -> SchedulerHarness:
     suffix = (
         ("-mtp" if drafter else "") + ("-priority" if policy != "fcfs" else "") + ("-kv" if content else "")
@@ -356,7 +410,7 @@ def run_stress(
     assert (h.hisparse.blocks.resident_multiple > 1) == (layout == "page")
     if connector == "example" and async_scheduling:
         assert h.scheduler.defer_block_free, "a KV consumer with a batch in flight defers its frees"
-    seen = run_sessions(h, rng, connector, priorities=policy != "fcfs", forks=content)
+    seen = run_sessions(h, rng, connector, priorities=policy != "fcfs", forks=content, first_turn=first_turn)
     assert_nothing_held(h)
     stats = h.hisparse.stats()
     # The workload did what it exists for: residency moved under pressure. (Without

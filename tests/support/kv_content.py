@@ -20,13 +20,27 @@ attention reads it): upstream caches a request's blocks as it allocates them, an
 later admission of the same schedule may hit a page the forward is about to write.
 
 Drafts are random tokens and a rejected draft's correction always differs from it, so a
-rejected draft's KV is told from the accepted token's. Connectors' loads and landings are
-not played (use it without a KV connector), nor asynchronous scheduling with drafts (the
-worker's placeholder corrections).
+rejected draft's KV is told from the accepted token's.
+
+With the OffloadingConnector its workers' transfers move values too, in the worker's
+order: a step's stores are deferred to the start of the next step (those its fence
+flushes run at once), and read their GPU blocks then, before that step's forward (or
+when reported done, if the harness reports one earlier); a store's CPU blocks hold what
+it read once it is reported done. A load reads its CPU blocks when submitted, before the
+step's forward; its GPU blocks hold nothing until the load is reported done, then what it
+read. A GPU block of a job's group maps to its CPU block as the CPU worker maps it
+(`blocks_per_chunk` GPU blocks to a CPU block, the first group's skipped by its block
+index). Other connectors' loads and landings are not played.
+
+Asynchronously with drafts the scheduler schedules placeholders and counts them computed
+until it processes the step's output; the worker proposes the drafts and writes a step's
+KV at the true positions (the scheduler's count less the drafts rejected by steps still
+in flight), as vLLM's model runner corrects them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -36,6 +50,13 @@ from vllm.v1.hisparse.plan import NOT_ON_HOST
 
 DRAFT_TOKENS = (700, 800)  # drafts are drawn from here
 CORRECTION_TOKENS = (100, 200)  # the token sampled after the last accepted draft
+
+
+@dataclasses.dataclass
+class _Unprocessed:
+    tokens: list[int]
+    rejected: int
+    stale: bool = False
 
 
 class WrongKV(AssertionError):
@@ -48,23 +69,42 @@ class KVContentHarness(SchedulerHarness):
 
     def __init__(self, *args: Any, content_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        assert self.scheduler.connector is None, "connectors' loads are not played"
-        assert not (self.num_speculative_tokens and self.batch_queue_size > 1), (
-            "asynchronous scheduling with drafts is not played"
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+        connector = self.scheduler.connector
+        assert connector is None or isinstance(connector, OffloadingConnector), (
+            "only the OffloadingConnector's transfers are played"
         )
+        self._offloading = connector.connector_scheduler if connector is not None else None
         self._rng = random.Random(content_seed)
         self.block_content: dict[int, dict[int, int]] = {}
         # Host page -> the values of each sparse-MLA group's block, in the plan's group order.
         self.host_content: dict[int, list[dict[int, int]]] = {}
         # Request -> page index -> host page, as the worker holds it from the plans.
         self.worker_host_pages: dict[str, dict[int, int]] = {}
-        # Tokens sampled by steps whose output is not processed yet (asynchronous scheduling).
-        self._unprocessed: dict[str, list[list[int]]] = {}
+        # Steps whose output is not processed yet (asynchronous scheduling), per request:
+        # the tokens each sampled, the drafts it rejected, and whether a preemption since
+        # made its output stale (its rejections then no longer roll the scheduler back).
+        self._unprocessed: dict[str, list[_Unprocessed]] = {}
+        # Asynchronously the scheduler schedules placeholders for drafts; the worker's own
+        # drafts for each scheduled step (by the output's id), as its drafter proposed them.
+        self._worker_drafts: dict[int, dict[str, list[int]]] = {}
         self.positions_read = 0
         self.host_positions_read = 0
         # With True, the copies of a plan are not played: the check must then find a
         # request reading a host page nothing wrote (its negative control).
         self.drop_copies = False
+        # With True, the OffloadingConnector's loads write nothing (its negative control).
+        self.drop_loads = False
+        # The OffloadingConnector's CPU blocks: (the job's group, CPU block, sub-block) ->
+        # the values of the GPU block stored there.
+        self.cpu_content: dict[tuple[int, int, int], dict[int, int]] = {}
+        # Store jobs not yet submitted (deferred to the next step); jobs submitted and not
+        # yet reported done, with what they read (GPU block or CPU block -> values).
+        self._deferred_stores: dict[int, Any] = {}
+        self._stores: dict[int, tuple[Any, list[dict[int, int]]]] = {}
+        self._loads: dict[int, tuple[Any, list[dict[int, int]]]] = {}
+        self.offloaded_positions_loaded = 0
         update = self.scheduler.update_from_output
 
         def update_from_output(scheduler_output: Any, output: Any) -> Any:
@@ -91,17 +131,83 @@ class KVContentHarness(SchedulerHarness):
 
     def model_runner_output(self, scheduler_output: Any) -> Any:
         out = super().model_runner_output(scheduler_output)
-        spec = scheduler_output.scheduled_spec_decode_tokens
+        spec = self._worker_drafts.pop(id(scheduler_output), scheduler_output.scheduled_spec_decode_tokens)
         sampled = []
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
             if tokens:
                 accepted = len(tokens) - 1
-                tokens = [*list(spec.get(req_id, ()))[:accepted], self._rng.randrange(*CORRECTION_TOKENS)]
+                drafts = list(spec.get(req_id, ()))
+                tokens = [*drafts[:accepted], self._rng.randrange(*CORRECTION_TOKENS)]
                 if self.batch_queue_size > 1:
-                    self._unprocessed.setdefault(req_id, []).append(tokens)
+                    self._unprocessed.setdefault(req_id, []).append(
+                        _Unprocessed(tokens, len(drafts) - accepted)
+                    )
             sampled.append(tokens)
         out.sampled_token_ids = sampled
         return out
+
+    # -- the OffloadingConnector's workers ------------------------------------------------
+
+    def _chunk_map(self, gpu_spec: Any, cpu_spec: Any) -> list[tuple[int, tuple[int, int, int]]]:
+        """(GPU block, its CPU place) for every GPU block of a job, as the CPU worker pairs them."""
+        per_chunk = self._offloading.config.blocks_per_chunk
+        gpu_blocks = [int(b) for b in gpu_spec.block_ids]
+        cpu_blocks = [int(b) for b in cpu_spec.block_ids]
+        pairs = []
+        gpu_at = cpu_at = 0
+        for g, (size, index) in enumerate(zip(gpu_spec.group_sizes, gpu_spec.block_indices, strict=True)):
+            if size == 0:
+                continue
+            skip = index % per_chunk
+            for k in range(size):
+                chunk, sub = divmod(skip + k, per_chunk)
+                pairs.append((gpu_blocks[gpu_at + k], (g, cpu_blocks[cpu_at + chunk], sub)))
+            gpu_at += size
+            cpu_at += -(-(skip + size) // per_chunk)
+        assert gpu_at == len(gpu_blocks) and cpu_at == len(cpu_blocks), "a job's blocks do not pair up"
+        return pairs
+
+    def _submit_store(self, job_id: int, job: Any) -> None:
+        pairs = self._chunk_map(job.src_spec, job.dst_spec)
+        self._stores[job_id] = (pairs, [dict(self.block_content.get(b, {})) for b, _ in pairs])
+
+    def _offloading_transfers_before_forward(self, meta: Any) -> None:
+        """The worker's `handle_preemptions` and `start_kv_transfers`: the stores deferred
+        from the last step and those the fence flushes read their blocks; loads read theirs,
+        and their GPU blocks hold nothing until they are done."""
+        flushed = set(meta.jobs_to_flush or ())
+        for job_id, job in meta.store_jobs.items():
+            if job_id in flushed:
+                self._submit_store(job_id, job)
+        for job_id, job in list(self._deferred_stores.items()):
+            self._submit_store(job_id, job)
+        self._deferred_stores = {}
+        for job_id, job in meta.load_jobs.items():
+            pairs = self._chunk_map(job.dst_spec, job.src_spec)
+            self._loads[job_id] = (pairs, [dict(self.cpu_content.get(place, {})) for _, place in pairs])
+            for block, _ in pairs:
+                self.block_content[block] = {}
+        for job_id, job in meta.store_jobs.items():
+            if job_id not in flushed:
+                self._deferred_stores[job_id] = job
+
+    def _offloading_output(self, meta: Any) -> Any:
+        output = super()._offloading_output(meta)
+        for job_id in output.kv_connector_worker_meta.completed_jobs:
+            if job_id in self._deferred_stores:  # reported before the next step submits it
+                self._submit_store(job_id, self._deferred_stores.pop(job_id))
+            if job_id in self._stores:
+                pairs, values = self._stores.pop(job_id)
+                for (_, place), value in zip(pairs, values, strict=True):
+                    self.cpu_content[place] = value
+            elif job_id in self._loads:
+                pairs, values = self._loads.pop(job_id)
+                if self.drop_loads:
+                    continue
+                for (block, _), value in zip(pairs, values, strict=True):
+                    self.block_content[block] = value
+                    self.offloaded_positions_loaded += len(value)
+        return output
 
     # -- the worker's KV ----------------------------------------------------------------
 
@@ -115,8 +221,16 @@ class KVContentHarness(SchedulerHarness):
         still in flight, then this step's drafts."""
         tokens = list(request.all_token_ids)
         for pending in self._unprocessed.get(request.request_id, ()):
-            tokens += pending
+            tokens += pending.tokens
         return tokens + list(spec.get(request.request_id, ()))
+
+    def _first_position(self, request: Any, num_scheduled: int) -> int:
+        """The first position the step computes for the request. The scheduler counts a
+        step's drafts computed when it schedules them and rolls the rejected ones back when
+        it processes the step's output; the worker already knows them (asynchronously, the
+        steps in flight), and writes at the true positions."""
+        rejected = sum(p.rejected for p in self._unprocessed.get(request.request_id, ()) if not p.stale)
+        return request.num_computed_tokens - num_scheduled - rejected
 
     @staticmethod
     def _kv(tokens: list[int], position: int) -> int:
@@ -134,8 +248,13 @@ class KVContentHarness(SchedulerHarness):
         mla = list(hisparse.mla_group_ids)
         null = hisparse.null_block_id
         plan = output.hisparse_plan
+        if self._offloading is not None and output.kv_connector_metadata is not None:
+            self._offloading_transfers_before_forward(output.kv_connector_metadata)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
+        for req_id in output.preempted_req_ids or ():
+            for pending in self._unprocessed.get(req_id, ()):
+                pending.stale = True
         if plan is not None:
             for run in plan.host_pages:
                 pages = self.worker_host_pages.setdefault(run.request_id, {})
@@ -152,13 +271,21 @@ class KVContentHarness(SchedulerHarness):
             self.block_content[copy.dst_block_id] = dict(self.block_content.get(copy.src_block_id, {}))
         groups = self._group_block_sizes()
         spec = output.scheduled_spec_decode_tokens
+        if self.batch_queue_size > 1 and spec:
+            # The scheduler's placeholders; the worker's drafter proposed these.
+            spec = {
+                req_id: [self._rng.randrange(*DRAFT_TOKENS) for _ in placeholders]
+                for req_id, placeholders in spec.items()
+            }
+            self._worker_drafts[id(output)] = spec
         scheduled = {
             req_id: (self.scheduler.requests[req_id], n) for req_id, n in output.num_scheduled_tokens.items()
         }
         for req_id, (request, n) in scheduled.items():
-            first = request.num_computed_tokens - n
+            first = self._first_position(request, n)
             tokens = self._tokens(request, spec)
             assert len(tokens) >= first + n, f"{req_id} writes past its {len(tokens)} tokens"
+            assert req_id not in spec or len(tokens) == first + n, f"{req_id} decodes from {first}"
             tables = self.block_ids(req_id)
             for position in range(first, first + n):
                 value = self._kv(tokens, position)
@@ -173,7 +300,7 @@ class KVContentHarness(SchedulerHarness):
                     self.block_content.setdefault(block, {})[row] = value
         for req_id, (request, n) in scheduled.items():
             self._check_reads(
-                req_id, request.num_computed_tokens - n, self._tokens(request, spec), groups, mla, null
+                req_id, self._first_position(request, n), self._tokens(request, spec), groups, mla, null
             )
         if plan is not None and not self.drop_copies:
             for copy in plan.copies:

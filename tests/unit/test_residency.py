@@ -745,7 +745,10 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     @rule()
     def plan(self):
-        self.in_flight.append(self.mgr.plan_copies())
+        copies = self.mgr.plan_copies()
+        for copy in copies:  # only complete pages: their rows are all verified tokens'
+            assert copy.page_index < self.mgr.requests[copy.request_id].num_complete_pages, copy
+        self.in_flight.append(copies)
 
     @rule()
     def output_processed(self):
@@ -975,6 +978,38 @@ def test_a_landings_pages_given_back_unwritten_stay_settled_for_the_next_landing
     pool.check()
 
 
+def test_a_marked_page_that_rejected_drafts_left_incomplete_is_not_copied():
+    """r0's pages are marked for demotion under pressure, then rejected drafts make page 1
+    incomplete again: its rows past the verified tokens hold the rejected drafts' KV, so
+    it is neither copied nor demoted until it is complete again (the scheduler passes
+    `advance` the verified tokens, which never fall back; the manager does not rely on it)."""
+
+    class Draws:
+        def __init__(self, *values):
+            self.values = list(values)
+
+        def draw(self, strategy):
+            return self.values.pop(0)
+
+    machine = ResidencyMachine()
+    machine.setup(num_blocks=8, host_pages=4, hot_rows=64, mode="hybrid", proactive=False, budget=4,
+                  blocks_per_page=1)  # fmt: skip
+    machine.add(max_tokens=None, restore=False, shared_prefix=0)
+    machine.grow(data=Draws("r0"), new_tokens=192)
+    machine.add(max_tokens=None, restore=False, shared_prefix=0)
+    machine.pressure(blocks=1, data=Draws("r1"))
+    r0 = machine.mgr.requests["r0"]
+    assert r0.pages.demote_when_copied[:2] == [True, True], "pages 0 and 1 were marked"
+    machine.reject(data=Draws("r0"), prefilling=False, rejected=65)
+    assert r0.num_complete_pages == 1
+    copies = machine.mgr.plan_copies()
+    assert [(c.request_id, c.page_index) for c in copies] == [("r0", 0)]
+    machine.in_flight.append(copies)
+    machine.invariants_hold()
+    machine.grow(data=Draws("r0"), new_tokens=65)  # page 1 complete again: pressure may mark it
+    assert 1 in r0.uncopied and not r0.pages.demote_when_copied[1]
+
+
 def test_a_held_requests_marked_page_that_rejected_drafts_left_incomplete_awaits_no_copy():
     """Found by the state machine: r0's pages are marked for demotion under pressure, then
     rejected drafts make page 1 incomplete again, then r0 is held for a KV connector. The
@@ -995,7 +1030,7 @@ def test_a_held_requests_marked_page_that_rejected_drafts_left_incomplete_awaits
     machine.add(max_tokens=None, restore=False, shared_prefix=0)
     machine.pressure(blocks=1, data=Draws("r1"))
     machine.reject(data=Draws("r0"), prefilling=False, rejected=65)
-    assert machine.mgr.requests["r0"].pages.demote_when_copied[1], "page 1 was marked"
+    assert not machine.mgr.requests["r0"].pages.demote_when_copied[1], "the rejection unmarked page 1"
     machine.hold(data=Draws("r0"))
     assert 1 not in machine.mgr.requests["r0"].uncopied
     machine.invariants_hold()

@@ -636,6 +636,9 @@ class ResidencyManager:
                 uncopied[index] = None
         for index in range(req.num_complete_pages, complete_before):  # rejected speculative tokens
             uncopied.pop(index, None)
+            if demote[index]:  # not to be copied (nor demoted) until it is complete again
+                demote[index] = False
+                self._marked.pop((request_id, index), None)
         for index in range(demotable_before, req.num_demotable_pages):  # newly demotable
             if block_ids[index] is None:  # HOST
                 req.num_host_demotable += 1
