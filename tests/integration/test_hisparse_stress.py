@@ -335,26 +335,66 @@ def test_the_content_check_finds_a_host_page_no_copy_wrote(model, tmp_path):
     assert found, "no run read a demoted page"
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("layout", ["groups", "page"])
-def test_the_content_check_finds_an_offloading_load_that_wrote_nothing(model, tmp_path, layout):
-    """The connector's negative control: with its loads writing nothing, a request that
-    attends over blocks its CPU tier loaded reads blocks nothing wrote, and the check says so."""
+def test_random_multi_turn_sessions_at_both_ends_of_pd_read_only_their_own_kv(
+    model, tmp_path, async_scheduling, seed, layout
+):
+    """The same, with NIXL at both ends of P/D: a turn read from a prefill peer holds the
+    peer's KV of its prompt once the read is reported done (in its device blocks, or the
+    host pages it lands in), nothing it may read before, and KV of nothing here where the
+    read failed (a quarter do; the request recomputes); a turn computed here for a decode
+    peer keeps its own KV in the blocks it offers until the peer has read them."""
+    h = run_stress(model, tmp_path, "nixl", async_scheduling, seed, layout=layout, content=True)
+    assert isinstance(h, KVContentHarness) and h.positions_read > 0
+
+
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_the_content_check_finds_a_published_host_page_holding_another_pages_kv(model, layout):
+    """The check of what the host pool publishes, and its negative control: with each copy
+    reading the page before its own, a copy is published holding KV of other positions,
+    and the check says so as it is published; played right, every publication holds the
+    publisher's own tokens' KV."""
+    for copy_previous_page in (False, True):
+        rng = random.Random(f"publication-control-{layout}")
+        h = KVContentHarness.create(
+            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
+            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
+            report_delay=lambda rng=rng: rng.randint(0, 2),
+        )  # fmt: skip
+        h.copy_previous_page = copy_previous_page
+        if not copy_previous_page:
+            run_sessions(h, rng, "none", forks=True)
+            assert h.pages_published > 0
+            continue
+        with pytest.raises(WrongKV, match="published by"):
+            run_sessions(h, rng, "none", forks=True)
+
+
+@pytest.mark.parametrize("connector", ["offloading", "nixl"])
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_the_content_check_finds_a_connector_load_that_wrote_nothing(model, tmp_path, layout, connector):
+    """The connectors' negative control: with the OffloadingConnector's loads, or NIXL's
+    reads from a prefill peer, writing nothing, a request that attends over what they load
+    reads blocks (or, landed, host pages) nothing wrote, and the check says so."""
     found = 0
     for seed in range(4):
-        rng = random.Random(f"offloading-control-{layout}-{seed}")
+        rng = random.Random(f"{connector}-control-{layout}-{seed}")
         h = KVContentHarness.create(
             model=model, memory_bytes=8 << 20, max_model_len=1024, max_num_batched_tokens=256,
             attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
-            kv_transfer_config=transfer_config("offloading", tmp_path),
+            kv_transfer_config=transfer_config(connector, tmp_path),
             report_delay=lambda rng=rng: rng.randint(0, 2),
+            nixl_read_fails=(lambda: False) if connector == "nixl" else None,
         )  # fmt: skip
         h.drop_loads = True
         try:
-            run_sessions(h, rng, "offloading", forks=True, first_turn=(300, 800))
+            run_sessions(h, rng, connector, forks=True, first_turn=(300, 800))
         except WrongKV as error:
-            assert "never written" in str(error) and "block" in str(error), error
+            assert "never written" in str(error), error
             found += 1
-    assert found, "no run read a block the connector loaded"
+    assert found, "no run read what the connector loaded"
 
 
 def run_stress(

@@ -69,13 +69,18 @@ class KVContentHarness(SchedulerHarness):
 
     def __init__(self, *args: Any, content_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
         connector = self.scheduler.connector
-        assert connector is None or isinstance(connector, OffloadingConnector), (
-            "only the OffloadingConnector's transfers are played"
-        )
-        self._offloading = connector.connector_scheduler if connector is not None else None
+        self._nixl = isinstance(connector, NixlConnector)
+        assert (
+            connector is None
+            or isinstance(connector, OffloadingConnector)
+            or (self._nixl and self.nixl_read_fails is not None)
+        ), "only the OffloadingConnector's transfers, and NIXL's the harness plays, are played"
+        offloading = isinstance(connector, OffloadingConnector)
+        self._offloading = connector.connector_scheduler if offloading else None
         self._rng = random.Random(content_seed)
         self.block_content: dict[int, dict[int, int]] = {}
         # Host page -> the values of each sparse-MLA group's block, in the plan's group order.
@@ -94,8 +99,13 @@ class KVContentHarness(SchedulerHarness):
         # With True, the copies of a plan are not played: the check must then find a
         # request reading a host page nothing wrote (its negative control).
         self.drop_copies = False
-        # With True, the OffloadingConnector's loads write nothing (its negative control).
+        # With True, the OffloadingConnector's loads and NIXL's reads write nothing (their
+        # negative control).
         self.drop_loads = False
+        # With True, a plan's copy of a page reads its first group's block of the page
+        # before it (where it has one): the check of what the host pool publishes must
+        # then find a page holding other positions' KV (its negative control).
+        self.copy_previous_page = False
         # The OffloadingConnector's CPU blocks: (the job's group, CPU block, sub-block) ->
         # the values of the GPU block stored there.
         self.cpu_content: dict[tuple[int, int, int], dict[int, int]] = {}
@@ -105,6 +115,18 @@ class KVContentHarness(SchedulerHarness):
         self._stores: dict[int, tuple[Any, list[dict[int, int]]]] = {}
         self._loads: dict[int, tuple[Any, list[dict[int, int]]]] = {}
         self.offloaded_positions_loaded = 0
+        # NIXL: reads in flight (request -> the device blocks of its import, with their
+        # group and page, the host pages its landed pages take, and its prompt), and the
+        # blocks a finished request offers a decode peer until it has read them.
+        self._nixl_reads: dict[str, tuple[list[tuple[int, int, int]], dict[int, int], list[int]]] = {}
+        self._nixl_sends: dict[str, tuple[list[tuple[int, int, int]], list[int], int]] = {}
+        self.positions_imported = 0
+        self.positions_sent = 0
+        self.pages_published = 0
+        # What a check inside the scheduler's own calls found, raised once the call returns.
+        self._found: list[WrongKV] = []
+        if self.hisparse is not None:
+            self._check_publications(self.hisparse.residency.host_pool)
         update = self.scheduler.update_from_output
 
         def update_from_output(scheduler_output: Any, output: Any) -> Any:
@@ -112,7 +134,10 @@ class KVContentHarness(SchedulerHarness):
                 pending = self._unprocessed.get(req_id)
                 if tokens and pending:
                     pending.pop(0)
-            return update(scheduler_output, output)
+            outputs = update(scheduler_output, output)
+            if self._nixl:
+                self._note_sends(outputs)
+            return outputs
 
         self.scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
 
@@ -145,6 +170,146 @@ class KVContentHarness(SchedulerHarness):
             sampled.append(tokens)
         out.sampled_token_ids = sampled
         return out
+
+    # -- what the host pool publishes --------------------------------------------------
+
+    def _check_publications(self, pool: Any) -> None:
+        """Every page the host pool indexes by a block hash must hold, in every sparse-MLA
+        group, the KV of the tokens that hash names: the publisher's, up to the page's end
+        (a later request's prefix hit takes it by that hash alone)."""
+        publish = pool.publish
+
+        def checked(page: int, block_hash: Any, publisher: str = "") -> None:
+            if not self.drop_copies:
+                try:
+                    self._check_published(page, block_hash, publisher)
+                except WrongKV as error:  # raised from the step: the scheduler must not catch it
+                    self._found.append(error)
+            publish(page, block_hash, publisher)
+
+        pool.publish = checked
+
+    def _check_published(self, page: int, block_hash: Any, publisher: str) -> None:
+        request = self.requests[publisher]
+        hashes = list(request.block_hashes)
+        step = len(self.observations)
+        if block_hash not in hashes:
+            raise WrongKV(f"step {step}: host page {page} published by {publisher} under a hash not its own")
+        index = hashes.index(block_hash)
+        block_size = self.hisparse.block_size
+        tokens = list(request.all_token_ids)
+        columns = self.host_content.get(page)
+        if columns is None:
+            where = f"host page {page} published by {publisher} (page {index})"
+            raise WrongKV(f"step {step}: {where} never written")
+        for column, values in enumerate(columns):
+            for row in range(block_size):
+                position = index * block_size + row
+                if (got := values.get(row)) != self._kv(tokens, position):
+                    raise WrongKV(
+                        f"step {step}: host page {page} published by {publisher} for page {index} holds "
+                        f"KV that is not its tokens' at position {position} (sparse-MLA group {column})"
+                        + (" (never written)" if got is None else "")
+                    )
+        self.pages_published += 1
+
+    # -- NIXL's workers ------------------------------------------------------------------
+
+    def _blocks_and_pages(self, req_id: str, block_ids: Any) -> list[tuple[int, int, int]]:
+        """(block, group, page index) of each of `block_ids` (one list per group) in the
+        request's block table."""
+        found = []
+        for g, (ids, table) in enumerate(zip(block_ids, self.block_ids(req_id), strict=True)):
+            wanted = set(ids)
+            found += [(b, g, index) for index, b in enumerate(table) if b in wanted]
+        return found
+
+    def _nixl_reads_start(self, meta: Any) -> None:
+        """A read from a prefill peer starts with the step (as the harness plays it, for a
+        request waiting for it): its device blocks and landing host pages hold nothing
+        until it is reported done."""
+        from vllm.v1.request import RequestStatus
+
+        landing = getattr(meta, "host_landing", {})
+        for req_id, req_meta in meta.reqs_to_recv.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            blocks = self._blocks_and_pages(req_id, req_meta.local_block_ids)
+            landed = dict(landing.get(req_id, {}))
+            for block, _, _ in blocks:
+                self.block_content[block] = {}
+            for host_page in landed.values():
+                self.host_content[host_page] = [{} for _ in self.hisparse.mla_group_ids]
+            self._nixl_reads[req_id] = (blocks, landed, list(request.prompt_token_ids))
+
+    def _nixl_output(self, meta: Any, read_fails: Any) -> Any:
+        """Reads reported done write the peer's KV of the prompt into their blocks and
+        landing host pages, or, failed, what a partial transfer leaves: KV of nothing here.
+        Sends reported done: the blocks offered held the request's own KV while the peer
+        read them."""
+        output = super()._nixl_output(meta, read_fails)
+        failed = {req_id for req_id, _, _ in self._failed_reads.get(id(output), ())}
+        sizes = [size for _, size in self._group_block_sizes()]
+        mla = list(self.hisparse.mla_group_ids)
+        for req_id in output.finished_recving:
+            if req_id not in self._nixl_reads:
+                continue
+            blocks, landed, tokens = self._nixl_reads.pop(req_id)
+            if self.drop_loads and req_id not in failed:
+                continue
+            garbage = req_id in failed
+            for block, g, index in blocks:
+                self.block_content[block] = self._read_values(tokens, index, sizes[g], garbage)
+                self.positions_imported += len(self.block_content[block])
+            for index, host_page in landed.items():
+                columns = [self._read_values(tokens, index, sizes[g], garbage) for g in mla]
+                self.host_content[host_page] = columns
+        for req_id in output.finished_sending:
+            if req_id in self._nixl_sends:
+                self._check_sent(req_id, *self._nixl_sends.pop(req_id), sizes)
+        return output
+
+    def _read_values(self, tokens: list[int], index: int, size: int, garbage: bool) -> dict[int, int]:
+        """What a read leaves in page `index` of a group of `size`-token blocks: the peer's
+        KV of the prompt's positions there, or garbage in every row if it failed."""
+        if garbage:
+            return dict.fromkeys(range(size), -1)
+        first = index * size
+        return {row: self._kv(tokens, first + row) for row in range(min(size, len(tokens) - first))}
+
+    def _note_sends(self, outputs: Any) -> None:
+        """The blocks a finished request offers a decode peer (its `kv_transfer_params`)."""
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                params = out.kv_transfer_params
+                if not params or not params.get("do_remote_prefill") or not params.get("remote_block_ids"):
+                    continue
+                request = self.requests[out.request_id]
+                blocks = self._blocks_and_pages(out.request_id, params["remote_block_ids"])
+                sent = (blocks, list(request.all_token_ids), params["remote_num_tokens"])
+                self._nixl_sends[out.request_id] = sent
+
+    def _check_sent(
+        self,
+        req_id: str,
+        blocks: list[tuple[int, int, int]],
+        tokens: list[int],
+        num_tokens: int,
+        sizes: list[int],
+    ) -> None:
+        for block, g, index in blocks:
+            held = self.block_content.get(block, {})
+            for row in range(sizes[g]):
+                position = index * sizes[g] + row
+                if position >= num_tokens:
+                    break
+                if held.get(row) != self._kv(tokens, position):
+                    raise WrongKV(
+                        f"step {len(self.observations)}: block {block} that {req_id} offered a decode peer "
+                        f"(page {index}, group {g}) does not hold its KV at position {position}"
+                    )
+                self.positions_sent += 1
 
     # -- the OffloadingConnector's workers ------------------------------------------------
 
@@ -213,8 +378,18 @@ class KVContentHarness(SchedulerHarness):
 
     def schedule(self) -> Any:
         output = super().schedule()
+        self._raise_found()
         self._run_step(output)
         return output
+
+    def step(self) -> Any:
+        observation = super().step()
+        self._raise_found()
+        return observation
+
+    def _raise_found(self) -> None:
+        if self._found:
+            raise self._found[0]
 
     def _tokens(self, request: Any, spec: dict[str, list[int]]) -> list[int]:
         """The request's tokens as the worker sees them: processed, then those of steps
@@ -250,6 +425,8 @@ class KVContentHarness(SchedulerHarness):
         plan = output.hisparse_plan
         if self._offloading is not None and output.kv_connector_metadata is not None:
             self._offloading_transfers_before_forward(output.kv_connector_metadata)
+        if self._nixl and output.kv_connector_metadata is not None:
+            self._nixl_reads_start(output.kv_connector_metadata)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():
@@ -304,9 +481,11 @@ class KVContentHarness(SchedulerHarness):
             )
         if plan is not None and not self.drop_copies:
             for copy in plan.copies:
-                self.host_content[copy.host_page] = [
-                    dict(self.block_content.get(b, {})) for b in copy.block_ids
-                ]
+                block_ids = list(copy.block_ids)
+                if self.copy_previous_page and copy.page_index > 0:
+                    previous = self.block_ids(copy.request_id)[mla[0]][copy.page_index - 1]
+                    block_ids[0] = previous if previous != null else block_ids[0]
+                self.host_content[copy.host_page] = [dict(self.block_content.get(b, {})) for b in block_ids]
 
     def _check_reads(
         self,
