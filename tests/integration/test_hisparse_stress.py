@@ -25,12 +25,15 @@ hits may end inside a resident block (vLLM's copy-on-write of that block).
 
 After every step the harness runs HiSparse's ownership check, and checks each step's plan
 as it leaves the scheduler (a restore writes only into its own request's page); after the
-last, every device block, host page and copy must be back. Without a connector, and
-beside the OffloadingConnector (longer first turns, so that its tier stores and loads in
-both layouts), the same traffic also runs with a worker that keeps what every block, host
-page and CPU-tier block holds (`kv_content.KVContentHarness`), where sessions also fork
-from each other's conversations: every position a request attends over must hold KV of
-its own tokens, asynchronous scheduling with MTP drafts included.
+last, every device block, host page and copy must be back. The same traffic also runs
+with a worker that keeps what every block, host page and CPU-tier block holds
+(`kv_content.KVContentHarness`), where sessions also fork from each other's
+conversations: every position a request attends over, and every page the host pool
+publishes, must hold KV of its own tokens; without a connector (asynchronous scheduling
+with MTP drafts included), beside the OffloadingConnector (longer first turns, so that
+its tier stores and loads in both layouts), importing the ExampleConnector's stored
+prompts, and at both ends of P/D with NIXL (the blocks offered a decode peer must hold
+the request's KV until the peer has read them).
 `make test` runs six seeds of every configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B
 seeds A to B-1 (the long run: `make stress`).
 """
@@ -338,6 +341,19 @@ def test_the_content_check_finds_a_host_page_no_copy_wrote(model, tmp_path):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("layout", ["groups", "page"])
+def test_random_multi_turn_sessions_importing_stored_prompts_read_only_their_own_kv(
+    model, tmp_path, async_scheduling, seed, layout
+):
+    """The same, with the ExampleConnector importing prompts a producer stored into a
+    decode instance (a KV consumer): its rows, in device blocks or the host pages HiSparse
+    lands them in, hold the stored prompt's KV, and every position read is the request's own."""
+    h = run_stress(model, tmp_path, "example", async_scheduling, seed, layout=layout, content=True)
+    assert isinstance(h, KVContentHarness) and h.positions_read > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("layout", ["groups", "page"])
 def test_random_multi_turn_sessions_at_both_ends_of_pd_read_only_their_own_kv(
     model, tmp_path, async_scheduling, seed, layout
 ):
@@ -372,12 +388,13 @@ def test_the_content_check_finds_a_published_host_page_holding_another_pages_kv(
             run_sessions(h, rng, "none", forks=True)
 
 
-@pytest.mark.parametrize("connector", ["offloading", "nixl"])
+@pytest.mark.parametrize("connector", ["example", "offloading", "nixl"])
 @pytest.mark.parametrize("layout", ["groups", "page"])
 def test_the_content_check_finds_a_connector_load_that_wrote_nothing(model, tmp_path, layout, connector):
-    """The connectors' negative control: with the OffloadingConnector's loads, or NIXL's
-    reads from a prefill peer, writing nothing, a request that attends over what they load
-    reads blocks (or, landed, host pages) nothing wrote, and the check says so."""
+    """The connectors' negative control: with the ExampleConnector's and the
+    OffloadingConnector's loads, or NIXL's reads from a prefill peer, writing nothing, a
+    request that attends over what they load reads blocks (or, landed, host pages) nothing
+    wrote, and the check says so."""
     found = 0
     for seed in range(4):
         rng = random.Random(f"{connector}-control-{layout}-{seed}")

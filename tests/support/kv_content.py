@@ -30,7 +30,20 @@ it read once it is reported done. A load reads its CPU blocks when submitted, be
 step's forward; its GPU blocks hold nothing until the load is reported done, then what it
 read. A GPU block of a job's group maps to its CPU block as the CPU worker maps it
 (`blocks_per_chunk` GPU blocks to a CPU block, the first group's skipped by its block
-index). Other connectors' loads and landings are not played.
+index).
+
+The ExampleConnector's loads write a stored prompt's KV (a producer computed the same
+tokens) into their rows as the step starts, in device blocks or the host pages HiSparse
+lands them in. NIXL's reads (played by the harness, `nixl_read_fails`) leave their blocks
+and landing host pages empty until reported done, then the prefill peer's KV of the
+prompt, or, failed, garbage the request must recompute over before anyone reads it; the
+blocks a finished request offers a decode peer must hold its KV until the peer is done.
+Other connectors (a MultiConnector) are not played.
+
+Every page the host pool publishes by a block hash must hold the KV of the tokens that
+hash names, in every sparse-MLA group, when it is published. A finding inside the
+scheduler's own calls is raised once they return, so that HiSparse's handling of a
+request that cannot be served does not take it for one.
 
 Asynchronously with drafts the scheduler schedules placeholders and counts them computed
 until it processes the step's output; the worker proposes the drafts and writes a step's
@@ -69,16 +82,21 @@ class KVContentHarness(SchedulerHarness):
 
     def __init__(self, *args: Any, content_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        from vllm.distributed.kv_transfer.kv_connector.v1.grouped_example_connector import (
+            GroupedExampleConnector,
+        )
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
         connector = self.scheduler.connector
         self._nixl = isinstance(connector, NixlConnector)
+        self._example = isinstance(connector, GroupedExampleConnector)
         assert (
             connector is None
+            or self._example
             or isinstance(connector, OffloadingConnector)
             or (self._nixl and self.nixl_read_fails is not None)
-        ), "only the OffloadingConnector's transfers, and NIXL's the harness plays, are played"
+        ), "only the OffloadingConnector's, the ExampleConnector's and NIXL's (played) loads are played"
         offloading = isinstance(connector, OffloadingConnector)
         self._offloading = connector.connector_scheduler if offloading else None
         self._rng = random.Random(content_seed)
@@ -212,6 +230,29 @@ class KVContentHarness(SchedulerHarness):
                         + (" (never written)" if got is None else "")
                     )
         self.pages_published += 1
+
+    # -- the ExampleConnector's loads ---------------------------------------------------
+
+    def _example_loads(self, meta: Any) -> None:
+        """The ExampleConnector loads a stored prompt's prefix as the step starts, before
+        its forward: every row of the load, in its group's device block or, landed, in the
+        host page HiSparse gave it (a producer stored the same prompt's KV)."""
+        mla = list(self.hisparse.mla_group_ids)
+        sizes = [size for _, size in self._group_block_sizes()]
+        for transfer in meta.requests:
+            if transfer.is_store or self.drop_loads:
+                continue
+            prompt = [int(t) for t in transfer.token_ids]
+            for rows in transfer.rows:
+                size = sizes[rows.group_id]
+                for token, slot in zip(rows.tokens.tolist(), rows.slots.tolist(), strict=True):
+                    where, row = divmod(slot, size)
+                    if rows.on_host:
+                        columns = self.host_content.setdefault(where, [{} for _ in mla])
+                        columns[mla.index(rows.group_id)][row] = self._kv(prompt, token)
+                    else:
+                        self.block_content.setdefault(where, {})[row] = self._kv(prompt, token)
+                    self.positions_imported += 1
 
     # -- NIXL's workers ------------------------------------------------------------------
 
@@ -427,6 +468,8 @@ class KVContentHarness(SchedulerHarness):
             self._offloading_transfers_before_forward(output.kv_connector_metadata)
         if self._nixl and output.kv_connector_metadata is not None:
             self._nixl_reads_start(output.kv_connector_metadata)
+        if self._example and output.kv_connector_metadata is not None:
+            self._example_loads(output.kv_connector_metadata)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():
