@@ -352,17 +352,22 @@ def test_random_multi_turn_sessions_importing_stored_prompts_read_only_their_own
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("async_scheduling", "drafter"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["sync", "async", "mtp", "async-mtp"],
+)
 @pytest.mark.parametrize("layout", ["groups", "page"])
 def test_random_multi_turn_sessions_at_both_ends_of_pd_read_only_their_own_kv(
-    model, tmp_path, async_scheduling, seed, layout
+    model, glm53_model, tmp_path, async_scheduling, drafter, seed, layout
 ):
     """The same, with NIXL at both ends of P/D: a turn read from a prefill peer holds the
     peer's KV of its prompt once the read is reported done (in its device blocks, or the
     host pages it lands in), nothing it may read before, and KV of nothing here where the
     read failed (a quarter do; the request recomputes); a turn computed here for a decode
     peer keeps its own KV in the blocks it offers until the peer has read them."""
-    h = run_stress(model, tmp_path, "nixl", async_scheduling, seed, layout=layout, content=True)
+    model = glm53_model if drafter else model
+    h = run_stress(model, tmp_path, "nixl", async_scheduling, seed, drafter, layout, content=True)
     assert isinstance(h, KVContentHarness) and h.positions_read > 0
 
 

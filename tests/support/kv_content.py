@@ -328,7 +328,12 @@ class KVContentHarness(SchedulerHarness):
                     continue
                 request = self.requests[out.request_id]
                 blocks = self._blocks_and_pages(out.request_id, params["remote_block_ids"])
-                sent = (blocks, list(request.all_token_ids), params["remote_num_tokens"])
+                # A turn that decoded with drafts and stopped at max_tokens may count computed
+                # an accepted draft its stop cut off (upstream's `remote_num_tokens` is its
+                # computed count): a peer checks the count against its prompt, so the KV
+                # offered is that of the request's own tokens only.
+                tokens = list(request.all_token_ids)
+                sent = (blocks, tokens, min(params["remote_num_tokens"], len(tokens)))
                 self._nixl_sends[out.request_id] = sent
 
     def _check_sent(
