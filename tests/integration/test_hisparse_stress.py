@@ -84,6 +84,18 @@ def transfer_config(connector: str, storage) -> KVTransferConfig | None:
         return KVTransferConfig(
             kv_connector="NixlConnector", kv_role="kv_both", kv_load_failure_policy="recompute"
         )
+    if connector == "multi":
+        # The docs' P/D with a CPU tier: NIXL beside the OffloadingConnector.
+        offloading = {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 << 20},
+        }  # fmt: skip
+        return KVTransferConfig(
+            kv_connector="MultiConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+            engine_id=f"stress-{uuid.uuid4().hex}",
+            kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                                                      offloading]},
+        )  # fmt: skip
     return None
 
 
@@ -140,7 +152,7 @@ def run_sessions(
             if s not in live and turns_left[s] and rng.random() < 0.3:
                 turns_left[s] -= 1
                 priority = {"priority": rng.randint(0, 3)} if priorities else {}
-                transfer = pd_params(h, rng, len(tokens)) if connector == "nixl" else {}
+                transfer = pd_params(h, rng, len(tokens)) if connector in ("nixl", "multi") else {}
                 seen["imports"] += bool(
                     transfer.get("extra_args", {}).get("kv_transfer_params", {}).get("do_remote_prefill")
                 )
@@ -371,6 +383,23 @@ def test_random_multi_turn_sessions_at_both_ends_of_pd_read_only_their_own_kv(
     assert isinstance(h, KVContentHarness) and h.positions_read > 0
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("async_scheduling", "drafter"), [(False, False), (True, True)], ids=["sync", "async-mtp"]
+)
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_random_multi_turn_sessions_with_pd_beside_a_cpu_tier_read_only_their_own_kv(
+    model, glm53_model, tmp_path, async_scheduling, drafter, seed, layout
+):
+    """The same through a MultiConnector: NIXL at both ends of P/D beside the
+    OffloadingConnector (the docs' P/D with a CPU tier), each connector's transfers played."""
+    model = glm53_model if drafter else model
+    h = run_stress(
+        model, tmp_path, "multi", async_scheduling, seed, drafter, layout, content=True, first_turn=(300, 800)
+    )
+    assert isinstance(h, KVContentHarness) and h.positions_read > 0
+
+
 @pytest.mark.parametrize("layout", ["groups", "page"])
 def test_the_content_check_finds_a_published_host_page_holding_another_pages_kv(model, layout):
     """The check of what the host pool publishes, and its negative control: with each copy
@@ -463,7 +492,7 @@ def run_stress(
         kv_transfer_config=transfer_config(connector, tmp_path),
         async_scheduling=async_scheduling,
         report_delay=lambda: rng.randint(0, 3),
-        nixl_read_fails=(lambda: rng.random() < 0.25) if connector == "nixl" else None,
+        nixl_read_fails=(lambda: rng.random() < 0.25) if connector in ("nixl", "multi") else None,
         **drafts,
         **policy_args,
     )  # fmt: skip
@@ -480,7 +509,7 @@ def run_stress(
     # fill a 14 MiB pool: seed 2841 without a drafter, eight seeds with one.)
     assert stats["pages_copied_to_host"] > 0 or (not proactive and memory_mib >= 14), stats
     assert stats["pages_demoted"] + seen["preempted"] > 0 or memory_mib >= 10, (stats, seen)
-    if connector == "nixl" and seen["imports"]:  # turns were read from a prefill peer (some failing)
+    if connector in ("nixl", "multi") and seen["imports"]:  # turns read from a prefill peer (some failing)
         assert h.nixl_counts["reads"] > 0, (h.nixl_counts, seen)
     if drafter:  # the drafter's tokens were verified, and some accepted
         assert h.drafts_accepted > 0 and h.drafts_scheduled > h.drafts_accepted

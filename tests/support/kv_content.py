@@ -88,17 +88,17 @@ class KVContentHarness(SchedulerHarness):
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+        # The connector, or those inside a MultiConnector.
         connector = self.scheduler.connector
-        self._nixl = isinstance(connector, NixlConnector)
-        self._example = isinstance(connector, GroupedExampleConnector)
-        assert (
-            connector is None
-            or self._example
-            or isinstance(connector, OffloadingConnector)
-            or (self._nixl and self.nixl_read_fails is not None)
-        ), "only the OffloadingConnector's, the ExampleConnector's and NIXL's (played) loads are played"
-        offloading = isinstance(connector, OffloadingConnector)
-        self._offloading = connector.connector_scheduler if offloading else None
+        leaves = list(getattr(connector, "_connectors", None) or ([connector] if connector else []))
+        self._nixl = any(isinstance(c, NixlConnector) for c in leaves)
+        self._example = any(isinstance(c, GroupedExampleConnector) for c in leaves)
+        offloading = [c for c in leaves if isinstance(c, OffloadingConnector)]
+        for leaf in leaves:
+            assert isinstance(leaf, (GroupedExampleConnector, OffloadingConnector)) or (
+                isinstance(leaf, NixlConnector) and self.nixl_read_fails is not None
+            ), "only the OffloadingConnector's, the ExampleConnector's and NIXL's (played) loads are played"
+        self._offloading = offloading[0].connector_scheduler if offloading else None
         self._rng = random.Random(content_seed)
         self.block_content: dict[int, dict[int, int]] = {}
         # Host page -> the values of each sparse-MLA group's block, in the plan's group order.
@@ -469,12 +469,14 @@ class KVContentHarness(SchedulerHarness):
         mla = list(hisparse.mla_group_ids)
         null = hisparse.null_block_id
         plan = output.hisparse_plan
-        if self._offloading is not None and output.kv_connector_metadata is not None:
-            self._offloading_transfers_before_forward(output.kv_connector_metadata)
-        if self._nixl and output.kv_connector_metadata is not None:
-            self._nixl_reads_start(output.kv_connector_metadata)
-        if self._example and output.kv_connector_metadata is not None:
-            self._example_loads(output.kv_connector_metadata)
+        meta = output.kv_connector_metadata
+        for leaf_meta in getattr(meta, "metadata", None) or ([meta] if meta is not None else []):
+            if self._offloading is not None and hasattr(leaf_meta, "store_jobs"):
+                self._offloading_transfers_before_forward(leaf_meta)
+            elif self._nixl and hasattr(leaf_meta, "reqs_to_recv"):
+                self._nixl_reads_start(leaf_meta)
+            elif self._example and hasattr(leaf_meta, "requests"):
+                self._example_loads(leaf_meta)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():

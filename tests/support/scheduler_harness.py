@@ -543,11 +543,15 @@ class SchedulerHarness:
                     tuple(out.kv_connector_worker_meta if out is not None else None for out in outputs)
                 ),
             )
+            failed_reads = []
             for out in outputs:
                 if out is not None:
                     merged.finished_sending |= out.finished_sending or set()
                     merged.finished_recving |= out.finished_recving or set()
                     merged.invalid_block_ids |= out.invalid_block_ids
+                    failed_reads += self._failed_reads.pop(id(out), [])
+            # The failed reads are checked with the report the scheduler processes.
+            self._failed_reads[id(merged)] = failed_reads
             return merged
         return self._connector_output_of(meta)
 
