@@ -9,11 +9,14 @@ page's block, or in the page layout's resident group the block of several pages)
 step's plan moves those values as the workers would: HOST page runs and leases update
 the worker's map of each request's host pages (a finished or preempted request's map
 goes first), restores copy host pages into blocks before the forward, vLLM's
-copy-on-write of resident blocks copies blocks, and page copies copy blocks to host
-pages after it. Before the forward's writes are read, every position a
-request attends over (those computed before the step) is read through its block table,
-a HOST page through the worker's map, and must name that request's own tokens: KV of
-another request, another prefix, a rejected draft, or a page never written, is found.
+copy-on-write of resident blocks copies blocks, and page copies read blocks after it.
+A copy is in flight until its report (on CUDA it runs beside the next steps): its host
+page holds nothing before, then what it read, and the blocks it read must not have
+changed meanwhile. Every position a request attends over (those computed before the
+step) is read as the resolver reads it: a sparse-MLA page from the host page the
+worker's map holds for it, if any, else through its block table; it must name that
+request's own tokens: KV of another request, another prefix, a rejected draft, or a
+page never written, is found.
 
 A forward's writes come before its reads here (each layer writes its KV before its
 attention reads it): upstream caches a request's blocks as it allocates them, and a
@@ -33,12 +36,13 @@ read. A GPU block of a job's group maps to its CPU block as the CPU worker maps 
 index).
 
 The ExampleConnector's loads write a stored prompt's KV (a producer computed the same
-tokens) into their rows as the step starts, in device blocks or the host pages HiSparse
-lands them in. NIXL's reads (played by the harness, `nixl_read_fails`) leave their blocks
-and landing host pages empty until reported done, then the prefill peer's KV of the
-prompt, or, failed, garbage the request must recompute over before anyone reads it; the
-blocks a finished request offers a decode peer must hold its KV until the peer is done.
-Other connectors (a MultiConnector) are not played.
+tokens) into their rows just before the forward (after the plan's restores), in device
+blocks or the host pages HiSparse lands them in. NIXL's reads (played by the harness,
+`nixl_read_fails`) leave their blocks and landing host pages empty until reported done,
+then the prefill peer's KV of the prompt, or, failed, garbage the request must recompute
+over before anyone reads it; the blocks a finished request offers a decode peer must
+hold its KV until the peer is done. Inside a MultiConnector each of these is played;
+other connectors are not.
 
 Every page the host pool publishes by a block hash must hold the KV of the tokens that
 hash names, in every sparse-MLA group, when it is published. A finding inside the
@@ -124,6 +128,9 @@ class KVContentHarness(SchedulerHarness):
         # before it (where it has one): the check of what the host pool publishes must
         # then find a page holding other positions' KV (its negative control).
         self.copy_previous_page = False
+        # HiSparse's page copies launched and not yet reported: (the copy, the blocks it
+        # reads, what it read).
+        self._copies_in_flight: dict[int, tuple[Any, list[int], list[dict[int, int]]]] = {}
         # The OffloadingConnector's CPU blocks: (the job's group, CPU block, sub-block) ->
         # the values of the GPU block stored there.
         self.cpu_content: dict[tuple[int, int, int], dict[int, int]] = {}
@@ -174,6 +181,7 @@ class KVContentHarness(SchedulerHarness):
 
     def model_runner_output(self, scheduler_output: Any) -> Any:
         out = super().model_runner_output(scheduler_output)
+        self._land_copies(out.hisparse_copied or [])
         spec = self._worker_drafts.pop(id(scheduler_output), scheduler_output.scheduled_spec_decode_tokens)
         sampled = []
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
@@ -475,8 +483,6 @@ class KVContentHarness(SchedulerHarness):
                 self._offloading_transfers_before_forward(leaf_meta)
             elif self._nixl and hasattr(leaf_meta, "reqs_to_recv"):
                 self._nixl_reads_start(leaf_meta)
-            elif self._example and hasattr(leaf_meta, "requests"):
-                self._example_loads(leaf_meta)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():
@@ -496,6 +502,11 @@ class KVContentHarness(SchedulerHarness):
                     self.block_content[block] = dict(source[column]) if source else {}
         for copy in output.kv_cache_block_copies or ():
             self.block_content[copy.dst_block_id] = dict(self.block_content.get(copy.src_block_id, {}))
+        # A synchronous load (the ExampleConnector's) runs once the step's plan is applied,
+        # just before the forward.
+        for leaf_meta in getattr(meta, "metadata", None) or ([meta] if meta is not None else []):
+            if self._example and hasattr(leaf_meta, "requests"):
+                self._example_loads(leaf_meta)
         groups = self._group_block_sizes()
         spec = output.scheduled_spec_decode_tokens
         if self.batch_queue_size > 1 and spec:
@@ -535,7 +546,27 @@ class KVContentHarness(SchedulerHarness):
                 if self.copy_previous_page and copy.page_index > 0:
                     previous = self.block_ids(copy.request_id)[mla[0]][copy.page_index - 1]
                     block_ids[0] = previous if previous != null else block_ids[0]
-                self.host_content[copy.host_page] = [dict(self.block_content.get(b, {})) for b in block_ids]
+                # In flight (on CUDA beside the next steps) until reported: the host page
+                # holds nothing before, and the source blocks must not change meanwhile.
+                read = [dict(self.block_content.get(b, {})) for b in block_ids]
+                self._copies_in_flight[copy.copy_id] = (copy, block_ids, read)
+                self.host_content[copy.host_page] = [{} for _ in block_ids]
+
+    def _land_copies(self, copy_ids: list[int]) -> None:
+        """The copies a step's output reports: their host pages hold what they read, which
+        their source blocks still hold (a block a copy reads is not rewritten before the
+        copy is reported)."""
+        for copy_id in copy_ids:
+            if copy_id not in self._copies_in_flight:
+                continue
+            copy, block_ids, read = self._copies_in_flight.pop(copy_id)
+            for block, values in zip(block_ids, read, strict=True):
+                if self.block_content.get(block, {}) != values:
+                    raise WrongKV(
+                        f"step {len(self.observations)}: block {block} that copy {copy_id} of "
+                        f"{copy.request_id} page {copy.page_index} reads was rewritten before it landed"
+                    )
+            self.host_content[copy.host_page] = read
 
     def _check_reads(
         self,
@@ -554,14 +585,14 @@ class KVContentHarness(SchedulerHarness):
             for g, block_size in groups:
                 index, row = divmod(position, block_size)
                 block = tables[g][index]
-                if block == null:
+                # The resolver reads a sparse-MLA page from the host page the worker holds
+                # for it, if any (its host page table), else from its device block.
+                host_page = host_pages.get(index) if g in mla else None
+                if block == null and host_page is None:
                     if g not in mla:
                         raise WrongKV(f"step {step}: {req_id} page {index}: the null block in group {g}")
-                    host_page = host_pages.get(index)
-                    if host_page is None:
-                        raise WrongKV(
-                            f"step {step}: {req_id} page {index} is on no device block and no host page"
-                        )
+                    raise WrongKV(f"step {step}: {req_id} page {index} is on no device block nor host page")
+                if host_page is not None:
                     got = self.host_content.get(host_page, [{}] * len(mla))[mla.index(g)].get(row)
                     where = f"host page {host_page}"
                     self.host_positions_read += 1
