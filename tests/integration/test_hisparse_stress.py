@@ -400,6 +400,48 @@ def test_random_multi_turn_sessions_with_pd_beside_a_cpu_tier_read_only_their_ow
     assert isinstance(h, KVContentHarness) and h.positions_read > 0
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    ("async_scheduling", "drafter"),
+    [(False, False), (True, False), (True, True)],
+    ids=["sync", "async", "async-mtp"],
+)
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_turns_whose_history_left_the_device_restore_it_and_read_only_their_own_kv(
+    model, glm53_model, layout, async_scheduling, drafter, seed
+):
+    """Three sessions of four turns beside the OffloadingConnector, with room on the device:
+    between turns the device's prefix cache is mostly reset, so a turn finds its history's
+    indexer pages in the connector's tier and its sparse-MLA pages in the host pool, and
+    HiSparse restores those into the hit's blocks while the connector loads the rest (the
+    restores the random traffic under pressure seldom makes). Every position read, and
+    every page published, holds KV of the request's own tokens."""
+    rng = random.Random(f"restore-{layout}-{async_scheduling}-{drafter}-{seed}")
+    h = KVContentHarness.create(
+        model=glm53_model if drafter else model, memory_bytes=(27 if drafter else 20) << 20,
+        max_model_len=1024, max_num_batched_tokens=rng.choice([128, 256, 1024]),
+        attention_config={"hisparse_config": {"host_pool_gib": 400.5 * PAGE_GIB, "kv_layout": layout}},
+        kv_transfer_config=transfer_config("offloading", None), async_scheduling=async_scheduling,
+        report_delay=lambda: rng.randint(0, 3),
+        **(dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                accepted_drafts=lambda n: rng.randint(0, n), drafter_layers=True) if drafter else {}),
+    )  # fmt: skip
+    sessions = [[rng.randrange(3, 3000) for _ in range(rng.randint(150, 500))] for _ in range(3)]
+    for _ in range(4):
+        turns = [(s, h.add_request(tokens, max_tokens=rng.randint(2, 30)).request_id)
+                 for s, tokens in enumerate(sessions) if len(tokens) <= 900]  # fmt: skip
+        h.run_until_done(max_steps=3000)
+        for s, request_id in turns:
+            new_tokens = [rng.randrange(3, 3000) for _ in range(rng.randint(1, 80))]
+            sessions[s] = [*sessions[s], *h.requests[request_id].output_token_ids, *new_tokens]
+        if rng.random() < 0.8:
+            h.kv_cache_manager.reset_prefix_cache()
+    assert_nothing_held(h)
+    assert h.positions_read > 0 and h.pages_published > 0
+    if layout == "groups":
+        assert h.hisparse.stats()["pages_restored"] > 0 and h.offloaded_positions_loaded > 0
+
+
 @pytest.mark.parametrize("layout", ["groups", "page"])
 def test_the_content_check_finds_a_published_host_page_holding_another_pages_kv(model, layout):
     """The check of what the host pool publishes, and its negative control: with each copy
