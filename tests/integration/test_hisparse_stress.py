@@ -443,6 +443,34 @@ def test_turns_whose_history_left_the_device_restore_it_and_read_only_their_own_
 
 
 @pytest.mark.parametrize("layout", ["groups", "page"])
+def test_the_content_check_finds_a_drafters_kv_of_another_next_token(
+    glm53_model, tmp_path, monkeypatch, layout
+):
+    """The drafter's negative control: an MTP drafter's KV at a position is of the token
+    after it, which a prefix hit's last page does not name; HiSparse, as upstream, has the
+    drafter compute a hit's last page again. Without that (`use_eagle` off in HiSparse's
+    view of the KV cache), a turn whose host hit ends where its next token differs from the
+    session it shares the prefix with reads the other session's drafter KV, and the check
+    says so."""
+    from vllm.v1.hisparse import kv_cache_access
+
+    init = kv_cache_access.KVCacheBlockAccess.__init__
+
+    def without_the_drafters_page(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_eagle = False
+
+    monkeypatch.setattr(kv_cache_access.KVCacheBlockAccess, "__init__", without_the_drafters_page)
+    found = []
+    for seed in range(6):
+        try:
+            run_stress(glm53_model, tmp_path, "none", True, seed, True, layout, content=True)
+        except WrongKV as error:
+            found.append(str(error))
+    assert found, "no turn read a drafter's KV of another next token"
+
+
+@pytest.mark.parametrize("layout", ["groups", "page"])
 def test_the_content_check_finds_a_published_host_page_holding_another_pages_kv(model, layout):
     """The check of what the host pool publishes, and its negative control: with each copy
     reading the page before its own, a copy is published holding KV of other positions,

@@ -23,7 +23,12 @@ attention reads it): upstream caches a request's blocks as it allocates them, an
 later admission of the same schedule may hit a page the forward is about to write.
 
 Drafts are random tokens and a rejected draft's correction always differs from it, so a
-rejected draft's KV is told from the accepted token's.
+rejected draft's KV is told from the accepted token's. A KV cache group that holds an MTP
+drafter's layer holds, beside the target's value, the drafter's: its input at a position
+is the next token, so its KV there names the tokens up to the next one, written once the
+step's tokens are sampled (past the last accepted draft, KV of nothing). A prefix hit
+names its pages' tokens, not the token after its last page: a request must compute that
+page's drafter KV again (vLLM's and HiSparse's hits drop their last page with a drafter).
 
 With the OffloadingConnector its workers' transfers move values too, in the worker's
 order: a step's stores are deferred to the start of the next step (those its fence
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from typing import Any
 
 from scheduler_harness import SchedulerHarness
@@ -67,6 +73,11 @@ from vllm.v1.hisparse.plan import NOT_ON_HOST
 
 DRAFT_TOKENS = (700, 800)  # drafts are drawn from here
 CORRECTION_TOKENS = (100, 200)  # the token sampled after the last accepted draft
+
+
+def _layer_index(layer_name: str) -> int | None:
+    match = re.search(r"layers\.(\d+)\.", layer_name)
+    return int(match.group(1)) if match else None
 
 
 @dataclasses.dataclass
@@ -104,6 +115,19 @@ class KVContentHarness(SchedulerHarness):
             ), "only the OffloadingConnector's, the ExampleConnector's and NIXL's (played) loads are played"
         self._offloading = offloading[0].connector_scheduler if offloading else None
         self._rng = random.Random(content_seed)
+        # KV cache groups holding a drafter's layers (an MTP layer past the target's): the
+        # drafter's KV at a position is of the tokens up to the next one (its input is the
+        # target's hidden state there and the next token), kept as (target's, drafter's).
+        num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
+        self._drafter_groups = frozenset(
+            g
+            for g, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            if self.num_speculative_tokens
+            and any((_layer_index(name) or 0) >= num_layers for name in group.layer_names)
+        )
+        # Each step's drafter writes, done once its tokens are sampled: (request, first
+        # position, tokens computed, the step's drafts' count).
+        self._drafter_steps: dict[int, list[tuple[str, int, int, list[int], int]]] = {}
         self.block_content: dict[int, dict[int, int]] = {}
         # Host page -> the values of each sparse-MLA group's block, in the plan's group order.
         self.host_content: dict[int, list[dict[int, int]]] = {}
@@ -137,6 +161,7 @@ class KVContentHarness(SchedulerHarness):
         # Store jobs not yet submitted (deferred to the next step); jobs submitted and not
         # yet reported done, with what they read (GPU block or CPU block -> values).
         self._deferred_stores: dict[int, Any] = {}
+        self._early_stores: dict[int, Any] = {}
         self._stores: dict[int, tuple[Any, list[dict[int, int]]]] = {}
         self._loads: dict[int, tuple[Any, list[dict[int, int]]]] = {}
         self.offloaded_positions_loaded = 0
@@ -195,6 +220,8 @@ class KVContentHarness(SchedulerHarness):
                     )
             sampled.append(tokens)
         out.sampled_token_ids = sampled
+        self._drafter_writes(scheduler_output, dict(zip(out.req_ids, sampled, strict=True)))
+        self._land_early_stores()
         return out
 
     # -- what the host pool publishes --------------------------------------------------
@@ -250,16 +277,18 @@ class KVContentHarness(SchedulerHarness):
         for transfer in meta.requests:
             if transfer.is_store or self.drop_loads:
                 continue
-            prompt = [int(t) for t in transfer.token_ids]
+            # The producer computed the whole prompt (its drafter saw each token's next).
+            prompt = list(self.requests[transfer.request_id].prompt_token_ids)
             for rows in transfer.rows:
                 size = sizes[rows.group_id]
                 for token, slot in zip(rows.tokens.tolist(), rows.slots.tolist(), strict=True):
                     where, row = divmod(slot, size)
+                    value = self._value(rows.group_id, prompt, token)
                     if rows.on_host:
                         columns = self.host_content.setdefault(where, [{} for _ in mla])
-                        columns[mla.index(rows.group_id)][row] = self._kv(prompt, token)
+                        columns[mla.index(rows.group_id)][row] = value
                     else:
-                        self.block_content.setdefault(where, {})[row] = self._kv(prompt, token)
+                        self.block_content.setdefault(where, {})[row] = value
                     self.positions_imported += 1
 
     # -- NIXL's workers ------------------------------------------------------------------
@@ -309,23 +338,23 @@ class KVContentHarness(SchedulerHarness):
                 continue
             garbage = req_id in failed
             for block, g, index in blocks:
-                self.block_content[block] = self._read_values(tokens, index, sizes[g], garbage)
+                self.block_content[block] = self._read_values(g, tokens, index, sizes[g], garbage)
                 self.positions_imported += len(self.block_content[block])
             for index, host_page in landed.items():
-                columns = [self._read_values(tokens, index, sizes[g], garbage) for g in mla]
+                columns = [self._read_values(g, tokens, index, sizes[g], garbage) for g in mla]
                 self.host_content[host_page] = columns
         for req_id in output.finished_sending:
             if req_id in self._nixl_sends:
                 self._check_sent(req_id, *self._nixl_sends.pop(req_id), sizes)
         return output
 
-    def _read_values(self, tokens: list[int], index: int, size: int, garbage: bool) -> dict[int, int]:
-        """What a read leaves in page `index` of a group of `size`-token blocks: the peer's
-        KV of the prompt's positions there, or garbage in every row if it failed."""
+    def _read_values(self, g: int, tokens: list[int], index: int, size: int, garbage: bool) -> dict[int, Any]:
+        """What a read leaves in page `index` of group `g` (`size`-token blocks): the
+        peer's KV of the prompt's positions there, or garbage in every row if it failed."""
         if garbage:
             return dict.fromkeys(range(size), -1)
         first = index * size
-        return {row: self._kv(tokens, first + row) for row in range(min(size, len(tokens) - first))}
+        return {row: self._value(g, tokens, first + row) for row in range(min(size, len(tokens) - first))}
 
     def _note_sends(self, outputs: Any) -> None:
         """The blocks a finished request offers a decode peer (its `kv_transfer_params`)."""
@@ -358,7 +387,7 @@ class KVContentHarness(SchedulerHarness):
                 position = index * sizes[g] + row
                 if position >= num_tokens:
                     break
-                if held.get(row) != self._kv(tokens, position):
+                if not self._matches(held.get(row), self._value(g, tokens, position)):
                     raise WrongKV(
                         f"step {len(self.observations)}: block {block} that {req_id} offered a decode peer "
                         f"(page {index}, group {g}) does not hold its KV at position {position}"
@@ -385,6 +414,14 @@ class KVContentHarness(SchedulerHarness):
             cpu_at += -(-(skip + size) // per_chunk)
         assert gpu_at == len(gpu_blocks) and cpu_at == len(cpu_blocks), "a job's blocks do not pair up"
         return pairs
+
+    def _land_early_stores(self) -> None:
+        for job_id, job in self._early_stores.items():
+            self._submit_store(job_id, job)
+            pairs, values = self._stores.pop(job_id)
+            for (_, place), value in zip(pairs, values, strict=True):
+                self.cpu_content[place] = value
+        self._early_stores = {}
 
     def _submit_store(self, job_id: int, job: Any) -> None:
         pairs = self._chunk_map(job.src_spec, job.dst_spec)
@@ -413,9 +450,11 @@ class KVContentHarness(SchedulerHarness):
     def _offloading_output(self, meta: Any) -> Any:
         output = super()._offloading_output(meta)
         for job_id in output.kv_connector_worker_meta.completed_jobs:
-            if job_id in self._deferred_stores:  # reported before the next step submits it
-                self._submit_store(job_id, self._deferred_stores.pop(job_id))
-            if job_id in self._stores:
+            if job_id in self._deferred_stores:
+                # Reported before the next step submits it: it reads its blocks once this
+                # step is done, its drafter included (`_land_early_stores`).
+                self._early_stores[job_id] = self._deferred_stores.pop(job_id)
+            elif job_id in self._stores:
                 pairs, values = self._stores.pop(job_id)
                 for (_, place), value in zip(pairs, values, strict=True):
                     self.cpu_content[place] = value
@@ -429,6 +468,27 @@ class KVContentHarness(SchedulerHarness):
         return output
 
     # -- the worker's KV ----------------------------------------------------------------
+
+    def _drafter_writes(self, scheduler_output: Any, sampled: dict[str, list[int]]) -> None:
+        """The drafter runs over the step's positions once its tokens are sampled, each with
+        the token after it: the next prompt token, an accepted draft, or the sampled one.
+        Past the last accepted draft it writes KV of nothing (its rows are computed again)."""
+        for req_id, first, n, tokens, num_drafts in self._drafter_steps.pop(id(scheduler_output), ()):
+            if req_id not in self.scheduler.requests:
+                continue
+            verified = tokens[: len(tokens) - num_drafts]
+            final = verified + sampled.get(req_id, []) if sampled.get(req_id) else tokens
+            tables = self.block_ids(req_id)
+            for g in self._drafter_groups:
+                block_size = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
+                for position in range(first, first + n):
+                    index, row = divmod(position, block_size)
+                    if index >= len(tables[g]):
+                        continue
+                    held = self.block_content.setdefault(tables[g][index], {})
+                    target = held.get(row, (None,))[0] if isinstance(held.get(row), tuple) else None
+                    nxt = self._kv(final, position + 1) if position + 1 < len(final) else -1
+                    held[row] = (target, nxt)
 
     def schedule(self) -> Any:
         output = super().schedule()
@@ -464,6 +524,20 @@ class KVContentHarness(SchedulerHarness):
     @staticmethod
     def _kv(tokens: list[int], position: int) -> int:
         return hash(tuple(tokens[: position + 1]))
+
+    def _value(self, g: int, tokens: list[int], position: int) -> Any:
+        """What group `g` holds at `position` for `tokens`: a drafter group's also names the
+        next token (None where `tokens` end there: not known yet)."""
+        value = self._kv(tokens, position)
+        if g not in self._drafter_groups:
+            return value
+        return (value, self._kv(tokens, position + 1) if position + 1 < len(tokens) else None)
+
+    @staticmethod
+    def _matches(got: Any, want: Any) -> bool:
+        if isinstance(want, tuple) and want[1] is None:  # the drafter's next token unknown
+            return isinstance(got, tuple) and got[0] == want[0]
+        return got == want
 
     def _group_block_sizes(self) -> list[tuple[int, int]]:
         """(group, tokens per block) of every KV cache group: a page each for the sparse-MLA
@@ -535,7 +609,14 @@ class KVContentHarness(SchedulerHarness):
                             f"step {len(self.observations)}: {req_id} writes position {position} "
                             f"into the null block (group {g})"
                         )
-                    self.block_content.setdefault(block, {})[row] = value
+                    # A drafter group's drafter part is written once the step's tokens are
+                    # sampled (`_drafter_writes`).
+                    written = (value, None) if g in self._drafter_groups else value
+                    self.block_content.setdefault(block, {})[row] = written
+            if self._drafter_groups:
+                self._drafter_steps.setdefault(id(output), []).append(
+                    (req_id, first, n, tokens, len(spec.get(req_id, ())))
+                )
         for req_id, (request, n) in scheduled.items():
             self._check_reads(
                 req_id, self._first_position(request, n), self._tokens(request, spec), groups, mla, null
@@ -581,8 +662,9 @@ class KVContentHarness(SchedulerHarness):
         host_pages = self.worker_host_pages.get(req_id, {})
         step = len(self.observations)
         for position in range(num_computed):
-            want = self._kv(tokens, position)
+            target = self._kv(tokens, position)
             for g, block_size in groups:
+                want = self._value(g, tokens, position) if g in self._drafter_groups else target
                 index, row = divmod(position, block_size)
                 block = tables[g][index]
                 # The resolver reads a sparse-MLA page from the host page the worker holds
@@ -600,7 +682,7 @@ class KVContentHarness(SchedulerHarness):
                     got = self.block_content.get(block, {}).get(row)
                     where = f"block {block}"
                 self.positions_read += 1
-                if got != want:
+                if not self._matches(got, want):
                     raise WrongKV(
                         f"step {step}: {req_id} position {position} (page {index}, group {g}): {where} "
                         "holds KV that is not its own" + (" (never written)" if got is None else "")
