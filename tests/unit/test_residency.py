@@ -978,26 +978,35 @@ def test_a_landings_pages_given_back_unwritten_stay_settled_for_the_next_landing
     pool.check()
 
 
+class Draws:
+    """A fixed sequence of the state machine's draws."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def marked_under_pressure(host_pages: int, budget: int) -> ResidencyMachine:
+    """r0 with three complete pages, then r1, whose arrival's pressure marks r0's pages."""
+    machine = ResidencyMachine()
+    machine.setup(num_blocks=8, host_pages=host_pages, hot_rows=64, mode="hybrid", proactive=False,
+                  budget=budget, blocks_per_page=1)  # fmt: skip
+    machine.add(max_tokens=None, restore=False, shared_prefix=0)
+    machine.grow(data=Draws("r0"), new_tokens=192)
+    machine.add(max_tokens=None, restore=False, shared_prefix=0)
+    machine.pressure(blocks=1, data=Draws("r1"))
+    return machine
+
+
 def test_a_marked_page_that_rejected_drafts_left_incomplete_is_not_copied():
     """r0's pages are marked for demotion under pressure, then rejected drafts make page 1
     incomplete again: its rows past the verified tokens hold the rejected drafts' KV, so
     it is neither copied nor demoted until it is complete again (the scheduler passes
     `advance` the verified tokens, which never fall back; the manager does not rely on it)."""
 
-    class Draws:
-        def __init__(self, *values):
-            self.values = list(values)
-
-        def draw(self, strategy):
-            return self.values.pop(0)
-
-    machine = ResidencyMachine()
-    machine.setup(num_blocks=8, host_pages=4, hot_rows=64, mode="hybrid", proactive=False, budget=4,
-                  blocks_per_page=1)  # fmt: skip
-    machine.add(max_tokens=None, restore=False, shared_prefix=0)
-    machine.grow(data=Draws("r0"), new_tokens=192)
-    machine.add(max_tokens=None, restore=False, shared_prefix=0)
-    machine.pressure(blocks=1, data=Draws("r1"))
+    machine = marked_under_pressure(host_pages=4, budget=4)
     r0 = machine.mgr.requests["r0"]
     assert r0.pages.demote_when_copied[:2] == [True, True], "pages 0 and 1 were marked"
     machine.reject(data=Draws("r0"), prefilling=False, rejected=65)
@@ -1015,20 +1024,7 @@ def test_a_held_requests_marked_page_that_rejected_drafts_left_incomplete_awaits
     rejected drafts make page 1 incomplete again, then r0 is held for a KV connector. The
     hold unmarked page 1 and put it among the pages awaiting a copy, incomplete."""
 
-    class Draws:
-        def __init__(self, *values):
-            self.values = list(values)
-
-        def draw(self, strategy):
-            return self.values.pop(0)
-
-    machine = ResidencyMachine()
-    machine.setup(num_blocks=8, host_pages=1, hot_rows=64, mode="hybrid", proactive=False, budget=1,
-                  blocks_per_page=1)  # fmt: skip
-    machine.add(max_tokens=None, restore=False, shared_prefix=0)
-    machine.grow(data=Draws("r0"), new_tokens=192)
-    machine.add(max_tokens=None, restore=False, shared_prefix=0)
-    machine.pressure(blocks=1, data=Draws("r1"))
+    machine = marked_under_pressure(host_pages=1, budget=1)
     machine.reject(data=Draws("r0"), prefilling=False, rejected=65)
     assert not machine.mgr.requests["r0"].pages.demote_when_copied[1], "the rejection unmarked page 1"
     machine.hold(data=Draws("r0"))
