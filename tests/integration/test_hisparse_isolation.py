@@ -1081,7 +1081,19 @@ def test_a_connector_hit_stops_before_the_pages_a_failed_request_stored_in_its_t
     while "R3" not in h.observations[-1].new_request_cached_tokens:
         h.step()
     assert h.observations[-1].new_request_cached_tokens["R3"] == 0, "R3's hit took the keys R1 stored"
-    assert h.hisparse.stats()["connector_hits_refused"] > 0
+    assert h.hisparse.stats()["connector_hits_refused"] == 2, "R2's hit and R3's"
+    h.run_until_done()
+    # A turn refused in every step it tries (it waits for room) is one refused hit.
+    assert h.kv_cache_manager.reset_prefix_cache()
+    r4 = h.add_request([*tokens, *prompt(13, 30)], max_tokens=2, request_id="R4")
+    admissions = h.hisparse.admissions
+    for _ in range(3):
+        hit = admissions.cap_external_hit(
+            r4, h.kv_cache_manager.empty_kv_cache_blocks, 0, 6 * BLOCK, executable=True
+        )
+        assert hit[1] == 0, "R4's hit takes the keys R1 stored"
+        admissions.release("R4")
+    assert h.hisparse.stats()["connector_hits_refused"] == 3
     h.run_until_done()
 
 

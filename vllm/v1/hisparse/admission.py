@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ class AdmissionCounters:
     # host pages of its hit (`waits_for_lease`).
     lease_waits: int = 0
     # KV connector hits not taken, or cut short, because which of a MultiConnector's
-    # connectors loads them could not be read, or a failed request stored their keys.
+    # connectors loads them could not be read, or a failed request stored their keys: once
+    # per request, however many steps it tries.
     hits_refused: int = 0
 
 
@@ -152,6 +154,8 @@ class Admissions:
         # ((the first page's hash, the pages looked up, host pool evictions then), copies).
         self._copies_this_step: dict[str, tuple[tuple[BlockHash, int, int], list[HostPage]]] = {}
         self._copies_last_step: dict[str, tuple[tuple[BlockHash, int, int], list[HostPage]]] = {}
+        # The requests whose connector hit was refused (`hits_refused` counts each once).
+        self._refused: weakref.WeakSet[Request] = weakref.WeakSet()
 
     # -- the record's life ---------------------------------------------------------
 
@@ -704,6 +708,11 @@ class Admissions:
             room -= touched
         return blocks, num_tokens, room
 
+    def _count_refused(self, request: Request) -> None:
+        if request not in self._refused:
+            self._refused.add(request)
+            self.counters.hits_refused += 1
+
     def cap_external_hit(
         self,
         request: Request,
@@ -742,7 +751,7 @@ class Admissions:
             return new_computed_blocks, num_external_tokens
         imported = self.imports.of(request.request_id)
         if imported is None:  # which connector loads it is not known: not taken
-            self.counters.hits_refused += 1
+            self._count_refused(request)
             return new_computed_blocks, 0
         if imported.kind is ImportKind.DEVICE:
             return new_computed_blocks, num_external_tokens  # the connector loads every group
@@ -760,7 +769,7 @@ class Admissions:
             last = min(-(-(num_local_tokens + num_external_tokens) // self.block_size), len(hashes))
             refused = next((p for p in range(first, last) if withdrawn(hashes[p])), None)
             if refused is not None:
-                self.counters.hits_refused += 1
+                self._count_refused(request)
                 num_external_tokens = self._cut_hit({}, num_local_tokens, refused * self.block_size, chunk)
                 if not num_external_tokens:
                     return new_computed_blocks, 0

@@ -131,7 +131,7 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:hisparse_connector_hits_refused": (
         "KV connector hits not taken, or cut short, because which of a MultiConnector's connectors "
         "loads them could not be read, or a request that failed on the workers stored their keys "
-        "(the rest is recomputed).",
+        "(the rest is recomputed); once per request, however many steps it tries.",
         "connector_hits_refused",
     ),
     "vllm:hisparse_host_hits_without_lease": (
