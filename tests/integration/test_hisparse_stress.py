@@ -33,7 +33,8 @@ publishes, must hold KV of its own tokens; without a connector (asynchronous sch
 with MTP drafts included), beside the OffloadingConnector (longer first turns, so that
 its tier stores and loads in both layouts), importing the ExampleConnector's stored
 prompts, and at both ends of P/D with NIXL (the blocks offered a decode peer must hold
-the request's KV until the peer has read them).
+the request's KV until the peer has read them). The resolver's copies into each
+request's hot buffer and staging rows, and its hits in them, are played as well.
 `make test` runs six seeds of every configuration; HISPARSE_STRESS_SEEDS=N runs N, and A:B
 seeds A to B-1 (the long run: `make stress`).
 """
@@ -348,6 +349,82 @@ def test_the_content_check_finds_a_host_page_no_copy_wrote(model, tmp_path):
             assert "host page" in str(error), error
             found += 1
     assert found, "no run read a demoted page"
+
+
+def test_the_content_check_finds_a_hot_buffer_row_no_copy_wrote(model, tmp_path):
+    """The hot buffers' own negative control: with the resolver's copies of missed rows not
+    played, a position selected again in a later step is a hit in a slot nothing wrote."""
+    found = []
+    for seed in range(6):
+        rng = random.Random(f"row-control-{seed}")
+        h = KVContentHarness.create(
+            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
+            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB}},
+        )  # fmt: skip
+        h.drop_row_copies = True
+        try:
+            run_sessions(h, rng, "none")
+        except WrongKV as error:
+            found.append(str(error))
+    assert found and all("hot buffer" in error for error in found), found
+
+
+@pytest.mark.parametrize("bug", ["hit_unguarded", "lease_left_cached"])
+@pytest.mark.parametrize("layout", ["groups", "page"])
+def test_the_content_check_finds_a_block_the_resolver_writes_and_another_request_reads(
+    model, tmp_path, monkeypatch, layout, bug
+):
+    """The hot buffers' and staging's negative controls, the isolation bugs they guard
+    against: blocks the resolver copies host rows into (a hot lease, a chunk's staging)
+    that another request reads as its own.
+    - `hit_unguarded`: HiSparse's takes from the pool no longer hold a waiting request's
+      prefix hit out of the free queue (`KVCacheBlockAccess._guarded_ahead`), so a lease
+      or staging can take a block that request then reads as its prefix.
+    - `lease_left_cached`: a hot lease's blocks stay in the prefix cache (taken from the
+      free queue without evicting their hashes), and another turn with that prefix hits them.
+    Played with the ownership check off, the content check finds a request reading KV
+    that is not its own; with the resolver's rows not played, as before, it finds none."""
+    from vllm.v1.hisparse import kv_cache_access
+    from vllm.v1.hisparse.residency import ResidencyManager
+
+    if bug == "hit_unguarded":
+        monkeypatch.setattr(kv_cache_access.KVCacheBlockAccess, "_guarded_ahead", lambda self, n: [])
+    else:
+
+        def lease_left_cached(self, num_blocks=None):
+            num_blocks = self.hot_lease_blocks if num_blocks is None else num_blocks
+            if self.allocator.num_free_blocks() < num_blocks:
+                return []
+            blocks = self.allocator._pool.free_block_queue.popleft_n(num_blocks)
+            for block in blocks:
+                block.ref_cnt += 1
+            return [block.block_id for block in blocks]
+
+        monkeypatch.setattr(ResidencyManager, "lease", lease_left_cached)
+
+    def runs(resolve_hot_rows: bool) -> list[str]:
+        found = []
+        for seed in range(6):
+            rng = random.Random(f"lease-control-{layout}-{seed}")
+            h = KVContentHarness.create(
+                model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
+                attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
+                check_ownership=False,
+            )  # fmt: skip
+            h.resolve_hot_rows = resolve_hot_rows
+            try:
+                run_sessions(h, rng, "none", forks=True)
+            except WrongKV as error:
+                found.append(str(error))
+            except AssertionError:
+                # The block pool's own check, later on: a lease left cached is freed twice.
+                assert bug == "lease_left_cached"
+        return found
+
+    found = runs(resolve_hot_rows=True)
+    assert found, "no request read rows the resolver wrote into a block it holds"
+    assert all("not its own" in error for error in found), found
+    assert not runs(resolve_hot_rows=False), "found without the resolver's rows"
 
 
 @pytest.mark.parametrize("seed", SEEDS)

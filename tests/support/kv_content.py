@@ -18,6 +18,15 @@ worker's map holds for it, if any, else through its block table; it must name th
 request's own tokens: KV of another request, another prefix, a rejected draft, or a
 page never written, is found.
 
+The resolver's own rows are played too, after the forward's writes and before any read:
+each step a request with HOST pages selects some of their positions, and those its hot
+buffer holds (as the workers keep it from the plans' leases, empty at each new lease and
+gone with the request) are read from their slot of the lease's blocks, which must still
+hold them; the others are copied from their host page into its least recently used slots
+and, past those, into the step's staging blocks. A block the resolver writes that another
+request reads (a waiting request's prefix hit taken for a lease or staging, a lease left
+in the prefix cache) is then found by that request's reads.
+
 A forward's writes come before its reads here (each layer writes its KV before its
 attention reads it): upstream caches a request's blocks as it allocates them, and a
 later admission of the same schedule may hit a page the forward is about to write.
@@ -142,6 +151,19 @@ class KVContentHarness(SchedulerHarness):
         self._worker_drafts: dict[int, dict[str, list[int]]] = {}
         self.positions_read = 0
         self.host_positions_read = 0
+        # The resolver's hot buffers, as the workers hold them from the plans: request ->
+        # its lease's blocks (one tuple per sparse-MLA group, in the plan's group order),
+        # and slot -> (position, the step that last used it).
+        self._leases: dict[str, tuple[tuple[int, ...], ...]] = {}
+        self._hot: dict[str, dict[int, tuple[int, int]]] = {}
+        # With False, the resolver's rows are not played (to show what playing them finds).
+        self.resolve_hot_rows = True
+        # With True, the resolver's copies of missed rows write nothing: a later hit must
+        # then find its slot holding KV that is not its own (their negative control).
+        self.drop_row_copies = False
+        self.hot_rows_hit = 0
+        self.hot_rows_filled = 0
+        self.rows_staged = 0
         # With True, the copies of a plan are not played: the check must then find a
         # request reading a host page nothing wrote (its negative control).
         self.drop_copies = False
@@ -559,6 +581,8 @@ class KVContentHarness(SchedulerHarness):
                 self._nixl_reads_start(leaf_meta)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
+            self._leases.pop(req_id, None)
+            self._hot.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():
             for pending in self._unprocessed.get(req_id, ()):
                 pending.stale = True
@@ -570,6 +594,9 @@ class KVContentHarness(SchedulerHarness):
                         pages.pop(index, None)
                     else:
                         pages[index] = host_page
+            for lease in plan.leases:  # a new lease starts empty
+                self._leases[lease.request_id] = lease.block_ids
+                self._hot[lease.request_id] = {}
             for restore in plan.restores:
                 source = self.host_content.get(restore.host_page)
                 for column, block in enumerate(restore.block_ids):
@@ -617,6 +644,13 @@ class KVContentHarness(SchedulerHarness):
                 self._drafter_steps.setdefault(id(output), []).append(
                     (req_id, first, n, tokens, len(spec.get(req_id, ())))
                 )
+        staging = {entry.request_id: entry for entry in plan.staging} if plan is not None else {}
+        for req_id, (request, n) in scheduled.items():
+            if self.resolve_hot_rows and self.worker_host_pages.get(req_id):
+                self._resolve_host_rows(
+                    req_id, self._first_position(request, n), n, self._tokens(request, spec),
+                    staging.get(req_id), mla, null,
+                )  # fmt: skip
         for req_id, (request, n) in scheduled.items():
             self._check_reads(
                 req_id, self._first_position(request, n), self._tokens(request, spec), groups, mla, null
@@ -632,6 +666,88 @@ class KVContentHarness(SchedulerHarness):
                 read = [dict(self.block_content.get(b, {})) for b in block_ids]
                 self._copies_in_flight[copy.copy_id] = (copy, block_ids, read)
                 self.host_content[copy.host_page] = [{} for _ in block_ids]
+
+    def _resolve_host_rows(
+        self, req_id: str, first: int, n: int, tokens: list[int], staging: Any, mla: list[int], null: int
+    ) -> None:
+        """The resolver's rows for one step of a request with HOST pages, after the forward's
+        writes and before any read: it selects positions of its HOST pages (up to what its
+        tokens may select and its hot and staging rows hold; half the time many of them
+        held in its hot buffer already). A selected position its hot buffer holds is a hit,
+        read from its slot of the lease's blocks, which must still hold that position's KV;
+        the others are misses, copied from their host page into the eligible slots (those
+        holding no selected position, the least recently used first, empty ones before
+        them), and past those into the step's staging rows. The copies write the lease's
+        and staging's blocks: a block that is also another request's (or in the prefix
+        cache) then holds KV that is not its owner's, and its reads find it."""
+        step = len(self.observations)
+        bs = self.hisparse.block_size
+        host_pages = self.worker_host_pages[req_id]
+        pages = sorted(i for i in host_pages if (i + 1) * bs <= first)
+        if not pages:
+            return
+        lease = self._leases.get(req_id)
+        if lease is None:
+            raise WrongKV(f"step {step}: {req_id} has HOST pages and no hot lease on the worker")
+        # The hot buffer's slots (a lease's last block may hold more rows than it has), less
+        # those of a smaller lease's null blocks.
+        num_slots = min(len(lease[0]) * bs, self.hisparse.hot_rows)
+        slots = [s for s in range(num_slots) if lease[0][s // bs] != null]
+        num_staged = staging.num_slots if staging is not None else 0
+        limit = min(len(pages) * bs, n * self.hisparse.index_topk, len(slots) + num_staged)
+        if limit <= 0:
+            return
+        count = self._rng.randint(1, limit)
+        hot = self._hot[req_id]
+        held = sorted(p for p, _ in hot.values() if p < first and p // bs in host_pages)
+        selected: set[int] = set()
+        if held and self._rng.random() < 0.5:
+            selected.update(self._rng.sample(held, min(len(held), count)))
+        for index in self._rng.sample(range(len(pages) * bs), count):
+            if len(selected) >= count:
+                break
+            selected.add(pages[index // bs] * bs + index % bs)
+        slot_of = {p: s for s, (p, _) in hot.items()}
+        for position in sorted(p for p in selected if p in slot_of):
+            slot = slot_of[position]
+            target = self._kv(tokens, position)
+            for column, g in enumerate(mla):
+                block = lease[column][slot // bs]
+                want = self._value(g, tokens, position) if g in self._drafter_groups else target
+                got = self.block_content.get(block, {}).get(slot % bs)
+                if not self._matches(got, want):
+                    raise WrongKV(
+                        f"step {step}: {req_id} position {position} (group {g}): its hot buffer's slot "
+                        f"{slot} (block {block}) holds KV that is not its own"
+                        + (" (nothing)" if got is None else "")
+                    )
+            hot[slot] = (position, step)
+            self.hot_rows_hit += 1
+        taken = {slot_of[p] for p in selected if p in slot_of}
+        # Empty slots first, then the least recently used.
+        eligible = sorted((s for s in slots if s not in taken), key=lambda s: (hot.get(s, (0, -1))[1], s))
+        misses = sorted(p for p in selected if p not in slot_of)
+        for i, position in enumerate(misses):
+            if i < len(eligible):
+                slot, blocks = eligible[i], lease
+                hot[slot] = (position, step)
+                self.hot_rows_filled += 1
+            else:
+                slot, blocks = i - len(eligible), staging.block_ids
+                self.rows_staged += 1
+            source = self.host_content.get(host_pages[position // bs])
+            if self.drop_row_copies:
+                continue
+            for column in range(len(mla)):
+                block = blocks[column][slot // bs]
+                if block == null:
+                    raise WrongKV(f"step {step}: {req_id} stages position {position} in the null block")
+                value = source[column].get(position % bs) if source else None
+                rows = self.block_content.setdefault(block, {})
+                if value is None:
+                    rows.pop(slot % bs, None)
+                else:
+                    rows[slot % bs] = value
 
     def _land_copies(self, copy_ids: list[int]) -> None:
         """The copies a step's output reports: their host pages hold what they read, which
