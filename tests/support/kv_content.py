@@ -27,6 +27,10 @@ and, past those, into the step's staging blocks. A block the resolver writes tha
 request reads (a waiting request's prefix hit taken for a lease or staging, a lease left
 in the prefix cache) is then found by that request's reads.
 
+Forwards write and read through the block tables the workers hold (upstream's tables,
+built from each step's new and appended blocks, with the plans' block-table updates
+applied), and the tables of the requests a step schedules must equal the scheduler's.
+
 A forward's writes come before its reads here (each layer writes its KV before its
 attention reads it): upstream caches a request's blocks as it allocates them, and a
 later admission of the same schedule may hit a page the forward is about to write.
@@ -35,9 +39,14 @@ Drafts are random tokens and a rejected draft's correction always differs from i
 rejected draft's KV is told from the accepted token's. A KV cache group that holds an MTP
 drafter's layer holds, beside the target's value, the drafter's: its input at a position
 is the next token, so its KV there names the tokens up to the next one, written once the
-step's tokens are sampled (past the last accepted draft, KV of nothing). A prefix hit
-names its pages' tokens, not the token after its last page: a request must compute that
-page's drafter KV again (vLLM's and HiSparse's hits drop their last page with a drafter).
+step's tokens are sampled (past the last accepted draft, KV of nothing); a request that
+reads another's drafter KV written in the same step reads it after that, as the drafter's
+own forward does. A prefix hit names its pages' tokens, not the token after its last page:
+a request must compute that page's drafter KV again (vLLM's and HiSparse's hits drop their
+last page with a drafter). Upstream's prefix cache names a page by its own tokens only, so
+a block a hit shares may hold, at its last position, the drafter KV of another sequence
+whose next token differed; that is allowed where the page after was matched as well
+(inside a hit, the page a drafter's hit drops, past a connector's hit), and nowhere else.
 
 With the OffloadingConnector its workers' transfers move values too, in the worker's
 order: a step's stores are deferred to the start of the next step (those its fence
@@ -124,6 +133,8 @@ class KVContentHarness(SchedulerHarness):
             ), "only the OffloadingConnector's, the ExampleConnector's and NIXL's (played) loads are played"
         self._offloading = offloading[0].connector_scheduler if offloading else None
         self._rng = random.Random(content_seed)
+        # The resolver's selections draw from their own stream: playing them changes no draft.
+        self._selection_rng = random.Random(f"selections-{content_seed}")
         # KV cache groups holding a drafter's layers (an MTP layer past the target's): the
         # drafter's KV at a position is of the tokens up to the next one (its input is the
         # target's hidden state there and the next token), kept as (target's, drafter's).
@@ -135,8 +146,8 @@ class KVContentHarness(SchedulerHarness):
             and any((_layer_index(name) or 0) >= num_layers for name in group.layer_names)
         )
         # Each step's drafter writes, done once its tokens are sampled: (request, first
-        # position, tokens computed, the step's drafts' count).
-        self._drafter_steps: dict[int, list[tuple[str, int, int, list[int], int]]] = {}
+        # position, tokens computed, the step's drafts' count, the workers' tables it used).
+        self._drafter_steps: dict[int, list[tuple[str, int, int, list[int], int, list[list[int]]]]] = {}
         self.block_content: dict[int, dict[int, int]] = {}
         # Host page -> the values of each sparse-MLA group's block, in the plan's group order.
         self.host_content: dict[int, list[dict[int, int]]] = {}
@@ -156,6 +167,57 @@ class KVContentHarness(SchedulerHarness):
         # and slot -> (position, the step that last used it).
         self._leases: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._hot: dict[str, dict[int, tuple[int, int]]] = {}
+        # Request -> the tokens its prefix hit covered when it was last admitted (new or
+        # resumed): a drafter's KV at the last position of a page of the hit whose next page
+        # the hit also covers is the prefix cache's, of whichever sequence computed that
+        # block, and may name another next token (`_holds`).
+        self._hit_end: dict[str, int] = {}
+        # Reads of a drafter's KV that another request's forward of the same step writes
+        # once its tokens are sampled, checked after that (by the step's output id).
+        self._drafter_reads: dict[int, list[tuple[str, int, int, int, list[int], int]]] = {}
+        self._step_id = 0
+        # Request -> (its local prefix hit in tokens, whether the page after it was matched
+        # when it was looked up: the page a hit drops with a drafter, whose first token the
+        # hit's last page's drafter KV may name for another sequence).
+        self._local_hits: dict[str, tuple[int, bool]] = {}
+        local_hit = self.scheduler._get_local_prefix_cache_hit
+        device_hit = self.kv_cache_manager.get_computed_blocks
+        upstream: list[int] = [0]
+
+        def get_computed_blocks(request: Any) -> Any:
+            hit = device_hit(request)
+            upstream[0] = hit[1]
+            return hit
+
+        self.kv_cache_manager.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+
+        def get_local_prefix_cache_hit(request: Any) -> Any:
+            # The page after the hit was matched when a drafter's hit dropped it: upstream's
+            # device hit (any hit HiSparse's walk does not extend) and the walk's extension
+            # both drop their last page; a walk that stops at a host page for want of a hot
+            # lease stops before a page it matched.
+            counters = self.hisparse.admissions.counters
+            upstream[0] = -1
+            dropped = counters.pages_dropped_for_drafter
+            hit = local_hit(request)
+            num_local = hit[1]
+            record = self.hisparse.admissions._records.get(request.request_id)
+            page = self.hisparse.block_size
+            matched = (
+                counters.pages_dropped_for_drafter > dropped
+                or (num_local == upstream[0] and num_local > 0)
+                or (record is not None and record.no_lease and record.walk_copies[0] * page == num_local)
+            )
+            self._local_hits[request.request_id] = (num_local, matched)
+            return hit
+
+        self.scheduler._get_local_prefix_cache_hit = get_local_prefix_cache_hit  # type: ignore[method-assign]
+        # Request -> its block tables as the workers hold them: upstream's (a new request's
+        # blocks, the blocks appended each step, a resumed request's whole table) with the
+        # plans' block-table updates applied. Forwards write and read through these.
+        self.worker_tables: dict[str, list[list[int]]] = {}
+        # With True, the plans' block-table updates are not applied (their negative control).
+        self.drop_table_updates = False
         # With False, the resolver's rows are not played (to show what playing them finds).
         self.resolve_hot_rows = True
         # With True, the resolver's copies of missed rows write nothing: a later hit must
@@ -243,6 +305,7 @@ class KVContentHarness(SchedulerHarness):
             sampled.append(tokens)
         out.sampled_token_ids = sampled
         self._drafter_writes(scheduler_output, dict(zip(out.req_ids, sampled, strict=True)))
+        self._check_drafter_reads(scheduler_output)
         self._land_early_stores()
         return out
 
@@ -491,16 +554,31 @@ class KVContentHarness(SchedulerHarness):
 
     # -- the worker's KV ----------------------------------------------------------------
 
+    def _check_drafter_reads(self, scheduler_output: Any) -> None:
+        """The step's reads of a drafter's KV that another request of the step wrote after
+        sampling: it must be there now."""
+        mla = list(self.hisparse.mla_group_ids)
+        for req_id, g, where, row, tokens, position in self._drafter_reads.pop(id(scheduler_output), ()):
+            if where >= 0:
+                got = self.block_content.get(where, {}).get(row)
+            else:
+                got = self.host_content.get(-1 - where, [{}] * len(mla))[mla.index(g)].get(row)
+            if not self._holds(req_id, g, tokens, position, got, self._value(g, tokens, position)):
+                raise WrongKV(
+                    f"step {len(self.observations)}: {req_id} position {position} (group {g}): the "
+                    f"drafter's KV there, written in the same step, is not its own"
+                )
+
     def _drafter_writes(self, scheduler_output: Any, sampled: dict[str, list[int]]) -> None:
         """The drafter runs over the step's positions once its tokens are sampled, each with
         the token after it: the next prompt token, an accepted draft, or the sampled one.
         Past the last accepted draft it writes KV of nothing (its rows are computed again)."""
-        for req_id, first, n, tokens, num_drafts in self._drafter_steps.pop(id(scheduler_output), ()):
+        steps = self._drafter_steps.pop(id(scheduler_output), ())
+        for req_id, first, n, tokens, num_drafts, tables in steps:
             if req_id not in self.scheduler.requests:
                 continue
             verified = tokens[: len(tokens) - num_drafts]
             final = verified + sampled.get(req_id, []) if sampled.get(req_id) else tokens
-            tables = self.block_ids(req_id)
             for g in self._drafter_groups:
                 block_size = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
                 for position in range(first, first + n):
@@ -561,6 +639,28 @@ class KVContentHarness(SchedulerHarness):
             return isinstance(got, tuple) and got[0] == want[0]
         return got == want
 
+    def _holds(
+        self, req_id: str, g: int, tokens: list[int], position: int, got: Any, want: Any
+    ) -> bool | None:
+        """Whether `got` is what the request may read at `position` of group `g` (`want`, its
+        own KV); None where only a drafter's part is missing, which another request's forward
+        of the same step writes once its tokens are sampled (checked again after that).
+
+        One allowance, upstream's: the prefix cache names a page by the tokens up to its end,
+        so a block a hit shares holds the drafter's KV of whichever sequence computed it,
+        whose next token may differ at the page's last position. There that part may name
+        another next token where the page after was matched too: inside the hit, the page a
+        drafter's hit drops, and past a connector's hit (its tier holds what the request
+        that stored it computed). At the end of a local hit that dropped no page it may not."""
+        if self._matches(got, want):
+            return True
+        if g not in self._drafter_groups or not isinstance(got, tuple) or got[0] != want[0]:
+            return False
+        if got[1] is None:
+            return None
+        page = self.hisparse.block_size
+        return (position + 1) % page == 0 and position + 1 < self._hit_end.get(req_id, 0)
+
     def _group_block_sizes(self) -> list[tuple[int, int]]:
         """(group, tokens per block) of every KV cache group: a page each for the sparse-MLA
         groups and the groups layout's others, several pages for the page layout's resident
@@ -579,10 +679,12 @@ class KVContentHarness(SchedulerHarness):
                 self._offloading_transfers_before_forward(leaf_meta)
             elif self._nixl and hasattr(leaf_meta, "reqs_to_recv"):
                 self._nixl_reads_start(leaf_meta)
+        self._update_worker_tables(output)
         for req_id in list(output.finished_req_ids) + list(output.preempted_req_ids or ()):
             self.worker_host_pages.pop(req_id, None)
             self._leases.pop(req_id, None)
             self._hot.pop(req_id, None)
+            self._hit_end.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():
             for pending in self._unprocessed.get(req_id, ()):
                 pending.stale = True
@@ -620,12 +722,23 @@ class KVContentHarness(SchedulerHarness):
         scheduled = {
             req_id: (self.scheduler.requests[req_id], n) for req_id, n in output.num_scheduled_tokens.items()
         }
+        self._step_id = id(output)
+        admitted = {new.req_id for new in output.scheduled_new_reqs}
+        admitted.update(output.scheduled_cached_reqs.resumed_req_ids)
+        for req_id in admitted & scheduled.keys():
+            request, n = scheduled[req_id]
+            hit = self._first_position(request, n)
+            local, next_cached = self._local_hits.pop(req_id, (-1, False))
+            # A connector's hit (past the local one) does not drop its last page: its tier
+            # holds what the request that stored it computed there.
+            matched = next_cached if local == hit else hit > local >= 0
+            self._hit_end[req_id] = hit + (self.hisparse.block_size if matched else 0)
         for req_id, (request, n) in scheduled.items():
             first = self._first_position(request, n)
             tokens = self._tokens(request, spec)
             assert len(tokens) >= first + n, f"{req_id} writes past its {len(tokens)} tokens"
             assert req_id not in spec or len(tokens) == first + n, f"{req_id} decodes from {first}"
-            tables = self.block_ids(req_id)
+            tables = self._worker_table(req_id)
             for position in range(first, first + n):
                 value = self._kv(tokens, position)
                 for g, block_size in groups:
@@ -642,7 +755,7 @@ class KVContentHarness(SchedulerHarness):
                     self.block_content.setdefault(block, {})[row] = written
             if self._drafter_groups:
                 self._drafter_steps.setdefault(id(output), []).append(
-                    (req_id, first, n, tokens, len(spec.get(req_id, ())))
+                    (req_id, first, n, tokens, len(spec.get(req_id, ())), [list(t) for t in tables])
                 )
         staging = {entry.request_id: entry for entry in plan.staging} if plan is not None else {}
         for req_id, (request, n) in scheduled.items():
@@ -697,13 +810,13 @@ class KVContentHarness(SchedulerHarness):
         limit = min(len(pages) * bs, n * self.hisparse.index_topk, len(slots) + num_staged)
         if limit <= 0:
             return
-        count = self._rng.randint(1, limit)
+        count = self._selection_rng.randint(1, limit)
         hot = self._hot[req_id]
         held = sorted(p for p, _ in hot.values() if p < first and p // bs in host_pages)
         selected: set[int] = set()
-        if held and self._rng.random() < 0.5:
-            selected.update(self._rng.sample(held, min(len(held), count)))
-        for index in self._rng.sample(range(len(pages) * bs), count):
+        if held and self._selection_rng.random() < 0.5:
+            selected.update(self._selection_rng.sample(held, min(len(held), count)))
+        for index in self._selection_rng.sample(range(len(pages) * bs), count):
             if len(selected) >= count:
                 break
             selected.add(pages[index // bs] * bs + index % bs)
@@ -765,6 +878,49 @@ class KVContentHarness(SchedulerHarness):
                     )
             self.host_content[copy.host_page] = read
 
+    def _update_worker_tables(self, output: Any) -> None:
+        """The step's changes to the workers' block tables, in the workers' order: upstream's
+        (finished requests go, new and resumed ones bring their tables, the others append
+        their new blocks), then the plan's block-table updates. The tables of the requests
+        the step schedules must then equal the scheduler's."""
+        step = len(self.observations)
+        tables = self.worker_tables
+        for req_id in output.finished_req_ids:
+            tables.pop(req_id, None)
+        for new in output.scheduled_new_reqs:
+            tables[new.req_id] = [list(group) for group in new.block_ids]
+        cached = output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if req_id in cached.resumed_req_ids:
+                tables[req_id] = [list(group) for group in new_block_ids or ()]
+            elif new_block_ids is not None:
+                for table, more in zip(tables[req_id], new_block_ids, strict=True):
+                    table.extend(more)
+        plan = output.hisparse_plan
+        if plan is not None and not self.drop_table_updates:
+            for update in plan.block_table_updates:
+                table = tables.get(update.request_id)
+                if table is None:
+                    continue  # a request the workers do not hold (finished meanwhile)
+                for g, block in zip(plan.mla_group_ids, update.block_ids, strict=True):
+                    if update.position >= len(table[g]):
+                        raise WrongKV(
+                            f"step {step}: {update.request_id}'s block-table update of page "
+                            f"{update.position} is past its table ({len(table[g])} pages)"
+                        )
+                    table[g][update.position] = block
+        for req_id in output.num_scheduled_tokens:
+            held = tables.get(req_id)
+            want = [list(group) for group in self.block_ids(req_id)]
+            if held is None or [t[: len(w)] for t, w in zip(held, want, strict=True)] != want:
+                raise WrongKV(f"step {step}: the workers' block table of {req_id} is not the scheduler's")
+
+    def _worker_table(self, req_id: str) -> list[list[int]]:
+        table = self.worker_tables.get(req_id)
+        if table is None:
+            raise WrongKV(f"step {len(self.observations)}: the workers hold no block table of {req_id}")
+        return table
+
     def _check_reads(
         self,
         req_id: str,
@@ -774,7 +930,7 @@ class KVContentHarness(SchedulerHarness):
         mla: list[int],
         null: int,
     ) -> None:
-        tables = self.block_ids(req_id)
+        tables = self._worker_table(req_id)
         host_pages = self.worker_host_pages.get(req_id, {})
         step = len(self.observations)
         for position in range(num_computed):
@@ -798,7 +954,13 @@ class KVContentHarness(SchedulerHarness):
                     got = self.block_content.get(block, {}).get(row)
                     where = f"block {block}"
                 self.positions_read += 1
-                if not self._matches(got, want):
+                holds = self._holds(req_id, g, tokens, position, got, want)
+                if holds is None:
+                    where_key = block if host_page is None else -1 - host_page
+                    self._drafter_reads.setdefault(self._step_id, []).append(
+                        (req_id, g, where_key, row, tokens, position)
+                    )
+                elif not holds:
                     raise WrongKV(
                         f"step {step}: {req_id} position {position} (page {index}, group {g}): {where} "
                         "holds KV that is not its own" + (" (never written)" if got is None else "")

@@ -108,6 +108,9 @@ class AdmissionCounters:
     # connectors loads them could not be read, or a failed request stored their keys: once
     # per request, however many steps it tries.
     hits_refused: int = 0
+    # Pages of host prefix hits dropped for an EAGLE/MTP drafter, which computes them again
+    # (the hit's last pages, as upstream's device hit drops its last one).
+    pages_dropped_for_drafter: int = 0
 
 
 class Admissions:
@@ -522,6 +525,7 @@ class Admissions:
             # inside it).
             num_pages = len(pages)
             kept_pages = ends_at(num_pages - 1)
+            self.counters.pages_dropped_for_drafter += num_pages - kept_pages
             if m > 1:
                 self._unguard(record, pages[kept_pages:])
             del pages[kept_pages:]
