@@ -168,10 +168,10 @@ class KVContentHarness(SchedulerHarness):
         self._leases: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._hot: dict[str, dict[int, tuple[int, int]]] = {}
         # Request -> the tokens its prefix hit covered when it was last admitted (new or
-        # resumed): a drafter's KV at the last position of a page of the hit whose next page
-        # the hit also covers is the prefix cache's, of whichever sequence computed that
-        # block, and may name another next token (`_holds`).
-        self._hit_end: dict[str, int] = {}
+        # resumed), and whether the page after it was matched: a drafter's KV at the last
+        # position of a block the hit shares may name another sequence's next token where
+        # the position after is matched too (`_holds`).
+        self._hits: dict[str, tuple[int, bool]] = {}
         # Reads of a drafter's KV that another request's forward of the same step writes
         # once its tokens are sampled, checked after that (by the step's output id).
         self._drafter_reads: dict[int, list[tuple[str, int, int, int, list[int], int]]] = {}
@@ -203,10 +203,12 @@ class KVContentHarness(SchedulerHarness):
             num_local = hit[1]
             record = self.hisparse.admissions._records.get(request.request_id)
             page = self.hisparse.block_size
+            stopped = record.walk_copies[0] if record is not None and record.no_lease else 0
             matched = (
                 counters.pages_dropped_for_drafter > dropped
-                or (num_local == upstream[0] and num_local > 0)
-                or (record is not None and record.no_lease and record.walk_copies[0] * page == num_local)
+                # Upstream's device hit, dropped one page (or cut shorter when alone).
+                or 0 < num_local <= upstream[0]
+                or stopped * page >= num_local > 0
             )
             self._local_hits[request.request_id] = (num_local, matched)
             return hit
@@ -658,8 +660,11 @@ class KVContentHarness(SchedulerHarness):
             return False
         if got[1] is None:
             return None
-        page = self.hisparse.block_size
-        return (position + 1) % page == 0 and position + 1 < self._hit_end.get(req_id, 0)
+        hit, matched = self._hits.get(req_id, (0, False))
+        if position + 1 == hit:
+            return matched and hit % self.hisparse.block_size == 0
+        block_size = self.kv_cache_config.kv_cache_groups[g].kv_cache_spec.block_size
+        return position + 1 < hit and (position + 1) % block_size == 0
 
     def _group_block_sizes(self) -> list[tuple[int, int]]:
         """(group, tokens per block) of every KV cache group: a page each for the sparse-MLA
@@ -684,7 +689,7 @@ class KVContentHarness(SchedulerHarness):
             self.worker_host_pages.pop(req_id, None)
             self._leases.pop(req_id, None)
             self._hot.pop(req_id, None)
-            self._hit_end.pop(req_id, None)
+            self._hits.pop(req_id, None)
         for req_id in output.preempted_req_ids or ():
             for pending in self._unprocessed.get(req_id, ()):
                 pending.stale = True
@@ -728,11 +733,12 @@ class KVContentHarness(SchedulerHarness):
         for req_id in admitted & scheduled.keys():
             request, n = scheduled[req_id]
             hit = self._first_position(request, n)
-            local, next_cached = self._local_hits.pop(req_id, (-1, False))
-            # A connector's hit (past the local one) does not drop its last page: its tier
-            # holds what the request that stored it computed there.
-            matched = next_cached if local == hit else hit > local >= 0
-            self._hit_end[req_id] = hit + (self.hisparse.block_size if matched else 0)
+            local, next_matched = self._local_hits.pop(req_id, (-1, False))
+            # A hit cut after its lookup ends before pages it matched; a connector's hit (past
+            # the local one) drops a chunk for a drafter (the OffloadingConnector's), and the
+            # others load the request's own prompt.
+            matched = next_matched if local == hit else (hit < local or local >= 0)
+            self._hits[req_id] = (hit, matched)
         for req_id, (request, n) in scheduled.items():
             first = self._first_position(request, n)
             tokens = self._tokens(request, spec)
@@ -758,12 +764,20 @@ class KVContentHarness(SchedulerHarness):
                     (req_id, first, n, tokens, len(spec.get(req_id, ())), [list(t) for t in tables])
                 )
         staging = {entry.request_id: entry for entry in plan.staging} if plan is not None else {}
+        used: dict[str, list[tuple[int, int, Any]]] = {}
         for req_id, (request, n) in scheduled.items():
             if self.resolve_hot_rows and self.worker_host_pages.get(req_id):
-                self._resolve_host_rows(
+                used[req_id] = self._resolve_host_rows(
                     req_id, self._first_position(request, n), n, self._tokens(request, spec),
                     staging.get(req_id), mla, null,
                 )  # fmt: skip
+        for req_id, rows in used.items():
+            for block, row, value in rows:
+                if self.block_content.get(block, {}).get(row) != value:
+                    raise WrongKV(
+                        f"step {len(self.observations)}: row {row} of block {block}, which {req_id}'s "
+                        "resolver used, was overwritten by another request's copy in the same step"
+                    )
         for req_id, (request, n) in scheduled.items():
             self._check_reads(
                 req_id, self._first_position(request, n), self._tokens(request, spec), groups, mla, null
@@ -782,7 +796,7 @@ class KVContentHarness(SchedulerHarness):
 
     def _resolve_host_rows(
         self, req_id: str, first: int, n: int, tokens: list[int], staging: Any, mla: list[int], null: int
-    ) -> None:
+    ) -> list[tuple[int, int, Any]]:
         """The resolver's rows for one step of a request with HOST pages, after the forward's
         writes and before any read: it selects positions of its HOST pages (up to what its
         tokens may select and its hot and staging rows hold; half the time many of them
@@ -792,24 +806,26 @@ class KVContentHarness(SchedulerHarness):
         holding no selected position, the least recently used first, empty ones before
         them), and past those into the step's staging rows. The copies write the lease's
         and staging's blocks: a block that is also another request's (or in the prefix
-        cache) then holds KV that is not its owner's, and its reads find it."""
+        cache) then holds KV that is not its owner's, and its reads find it. Returns the rows
+        it used, (block, row, what it holds), which no other request's copies of the same
+        step may overwrite (each layer's copies all run before its attention reads)."""
+        used: list[tuple[int, int, Any]] = []
         step = len(self.observations)
         bs = self.hisparse.block_size
         host_pages = self.worker_host_pages[req_id]
         pages = sorted(i for i in host_pages if (i + 1) * bs <= first)
         if not pages:
-            return
+            return used
         lease = self._leases.get(req_id)
         if lease is None:
             raise WrongKV(f"step {step}: {req_id} has HOST pages and no hot lease on the worker")
-        # The hot buffer's slots (a lease's last block may hold more rows than it has), less
-        # those of a smaller lease's null blocks.
-        num_slots = min(len(lease[0]) * bs, self.hisparse.hot_rows)
-        slots = [s for s in range(num_slots) if lease[0][s // bs] != null]
+        # The hot buffer's slots; a smaller lease (a context that fits in fewer rows) ends in
+        # null blocks, which its selections never reach.
+        slots = range(min(len(lease[0]) * bs, self.hisparse.hot_rows))
         num_staged = staging.num_slots if staging is not None else 0
         limit = min(len(pages) * bs, n * self.hisparse.index_topk, len(slots) + num_staged)
         if limit <= 0:
-            return
+            return used
         count = self._selection_rng.randint(1, limit)
         hot = self._hot[req_id]
         held = sorted(p for p, _ in hot.values() if p < first and p // bs in host_pages)
@@ -834,6 +850,7 @@ class KVContentHarness(SchedulerHarness):
                         f"{slot} (block {block}) holds KV that is not its own"
                         + (" (nothing)" if got is None else "")
                     )
+                used.append((block, slot % bs, got))
             hot[slot] = (position, step)
             self.hot_rows_hit += 1
         taken = {slot_of[p] for p in selected if p in slot_of}
@@ -854,13 +871,18 @@ class KVContentHarness(SchedulerHarness):
             for column in range(len(mla)):
                 block = blocks[column][slot // bs]
                 if block == null:
-                    raise WrongKV(f"step {step}: {req_id} stages position {position} in the null block")
+                    raise WrongKV(
+                        f"step {step}: {req_id} copies position {position} into the null block "
+                        + ("(a hot buffer slot)" if blocks is lease else "(staging)")
+                    )
                 value = source[column].get(position % bs) if source else None
                 rows = self.block_content.setdefault(block, {})
                 if value is None:
                     rows.pop(slot % bs, None)
                 else:
                     rows[slot % bs] = value
+                used.append((block, slot % bs, value))
+        return used
 
     def _land_copies(self, copy_ids: list[int]) -> None:
         """The copies a step's output reports: their host pages hold what they read, which
@@ -892,7 +914,9 @@ class KVContentHarness(SchedulerHarness):
         cached = output.scheduled_cached_reqs
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if req_id in cached.resumed_req_ids:
-                tables[req_id] = [list(group) for group in new_block_ids or ()]
+                if new_block_ids is None:
+                    raise WrongKV(f"step {step}: {req_id} resumes with no block table")
+                tables[req_id] = [list(group) for group in new_block_ids]
             elif new_block_ids is not None:
                 for table, more in zip(tables[req_id], new_block_ids, strict=True):
                     table.extend(more)
@@ -912,7 +936,7 @@ class KVContentHarness(SchedulerHarness):
         for req_id in output.num_scheduled_tokens:
             held = tables.get(req_id)
             want = [list(group) for group in self.block_ids(req_id)]
-            if held is None or [t[: len(w)] for t, w in zip(held, want, strict=True)] != want:
+            if held != want:
                 raise WrongKV(f"step {step}: the workers' block table of {req_id} is not the scheduler's")
 
     def _worker_table(self, req_id: str) -> list[list[int]]:
