@@ -355,40 +355,45 @@ def test_cases_the_content_check_found_with_a_drafter_read_only_their_own_kv(
     assert isinstance(h, KVContentHarness) and h.positions_read > 0
 
 
+def control_findings(
+    model: str, name: str, layout: str = "groups", seeds: int = 6, forks: bool = False,
+    check_ownership: bool = True, pool_check_fails: bool = False, **flags: bool,
+) -> list[str]:  # fmt: skip
+    """What the content check reports over `seeds` runs of the small pressure traffic, with
+    the harness's `flags` set (a negative control's fault). `pool_check_fails`: the fault
+    may also trip the block pool's own checks later in a run (that run then ends)."""
+    found = []
+    for seed in range(seeds):
+        rng = random.Random(f"{name}-{seed}")
+        h = KVContentHarness.create(
+            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
+            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
+            check_ownership=check_ownership,
+        )  # fmt: skip
+        for flag, value in flags.items():
+            assert hasattr(h, flag), flag
+            setattr(h, flag, value)
+        try:
+            run_sessions(h, rng, "none", forks=forks)
+        except WrongKV as error:
+            found.append(str(error))
+        except AssertionError:
+            if not pool_check_fails:
+                raise
+    return found
+
+
 def test_the_content_check_finds_a_host_page_no_copy_wrote(model, tmp_path):
     """Its negative control: with the plans' copies not played, a request that reads a
     demoted page through the host pool reads a page nothing wrote, and the check says so."""
-    found = 0
-    for seed in range(6):
-        rng = random.Random(f"content-control-{seed}")
-        h = KVContentHarness.create(
-            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
-            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB}},
-        )  # fmt: skip
-        h.drop_copies = True
-        try:
-            run_sessions(h, rng, "none")
-        except WrongKV as error:
-            assert "host page" in str(error), error
-            found += 1
-    assert found, "no run read a demoted page"
+    found = control_findings(model, "content-control", drop_copies=True)
+    assert found and all("host page" in error for error in found), found
 
 
 def test_the_content_check_finds_a_hot_buffer_row_no_copy_wrote(model, tmp_path):
     """The hot buffers' own negative control: with the resolver's copies of missed rows not
     played, a position selected again in a later step is a hit in a slot nothing wrote."""
-    found = []
-    for seed in range(6):
-        rng = random.Random(f"row-control-{seed}")
-        h = KVContentHarness.create(
-            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
-            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB}},
-        )  # fmt: skip
-        h.drop_row_copies = True
-        try:
-            run_sessions(h, rng, "none")
-        except WrongKV as error:
-            found.append(str(error))
+    found = control_findings(model, "row-control", drop_row_copies=True)
     assert found and all("hot buffer" in error for error in found), found
 
 
@@ -445,23 +450,11 @@ def test_the_content_check_finds_a_block_the_resolver_writes_and_another_request
         monkeypatch.setattr(ResidencyManager, "lease", lease_left_cached)
 
     def runs(resolve_hot_rows: bool) -> list[str]:
-        found = []
-        for seed in range(6):
-            rng = random.Random(f"lease-control-{layout}-{seed}")
-            h = KVContentHarness.create(
-                model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
-                attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
-                check_ownership=False,
-            )  # fmt: skip
-            h.resolve_hot_rows = resolve_hot_rows
-            try:
-                run_sessions(h, rng, "none", forks=True)
-            except WrongKV as error:
-                found.append(str(error))
-            except AssertionError:
-                # The block pool's own check, later on: a lease left cached is freed twice.
-                assert bug == "lease_left_cached"
-        return found
+        # A lease left cached is freed twice: the block pool's own check, later on.
+        return control_findings(
+            model, f"lease-control-{layout}", layout, forks=True, check_ownership=False,
+            pool_check_fails=bug == "lease_left_cached", resolve_hot_rows=resolve_hot_rows,
+        )  # fmt: skip
 
     found = runs(resolve_hot_rows=True)
     assert found, "no request read rows the resolver wrote into a block it holds"
@@ -547,18 +540,7 @@ def test_the_content_check_finds_a_block_table_update_the_workers_missed(model, 
     """The workers' block tables' negative control: with the plans' block-table updates not
     applied, a demoted page keeps its block in the workers' table, and the check finds the
     table no longer the scheduler's before any forward reads through it."""
-    found = []
-    for seed in range(3):
-        rng = random.Random(f"table-control-{layout}-{seed}")
-        h = KVContentHarness.create(
-            model=model, memory_bytes=6 << 20, max_model_len=1024, max_num_batched_tokens=256,
-            attention_config={"hisparse_config": {"host_pool_gib": 40.5 * PAGE_GIB, "kv_layout": layout}},
-        )  # fmt: skip
-        h.drop_table_updates = True
-        try:
-            run_sessions(h, rng, "none")
-        except WrongKV as error:
-            found.append(str(error))
+    found = control_findings(model, f"table-control-{layout}", layout, seeds=3, drop_table_updates=True)
     assert found and all("is not the scheduler's" in error for error in found), found
 
 
