@@ -25,7 +25,10 @@ gone with the request) are read from their slot of the lease's blocks, which mus
 hold them; the others are copied from their host page into its least recently used slots
 and, past those, into the step's staging blocks. A block the resolver writes that another
 request reads (a waiting request's prefix hit taken for a lease or staging, a lease left
-in the prefix cache) is then found by that request's reads.
+in the prefix cache) is then found by that request's reads, and the rows each resolver
+used are read again once every request's copies of the step are done. Selections stay
+within the hot and staging rows: the passes of a layer whose selections outgrow them are
+not played.
 
 Forwards write and read through the block tables the workers hold (upstream's tables,
 built from each step's new and appended blocks, with the plans' block-table updates
