@@ -193,6 +193,9 @@ def assert_nothing_held(h: SchedulerHarness) -> None:
     assert hisparse.residency.num_copies_in_flight() == 0 and not hisparse.residency.held_blocks()
     assert hisparse.residency.host_pool.num_referenced == 0, "every host page returns"
     assert not h.scheduler.deferred_frees
+    if isinstance(h, KVContentHarness):
+        # Every read of a drafter's KV deferred to its step's drafter writes was checked.
+        assert not h.unchecked_drafter_reads(), "a step's drafter reads were never checked"
 
 
 @pytest.fixture(scope="module")

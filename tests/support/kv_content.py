@@ -559,6 +559,10 @@ class KVContentHarness(SchedulerHarness):
 
     # -- the worker's KV ----------------------------------------------------------------
 
+    def unchecked_drafter_reads(self) -> int:
+        """Deferred reads of a drafter's KV whose step's output never came back."""
+        return sum(len(reads) for reads in self._drafter_reads.values())
+
     def _check_drafter_reads(self, scheduler_output: Any) -> None:
         """The step's reads of a drafter's KV that another request of the step wrote after
         sampling: it must be there now."""
